@@ -1,0 +1,1 @@
+"""Communication: the only package that talks to torch.distributed."""

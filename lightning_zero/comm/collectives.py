@@ -1,0 +1,158 @@
+"""Every torch.distributed call of lightning_zero goes through this module.
+
+Why one module: a reader finds every point where ranks must agree in one file, tests can count
+or fake traffic by wrapping these functions, and a later compressed or offloaded backend changes
+one place. Each function takes its process group explicitly (no module globals), and tolerates
+``group is None`` with an uninitialised default group as the world of one process, so the same
+engine code runs in a single process without special cases.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ProcessGroup = dist.ProcessGroup
+
+
+class _DoneWork:
+    """A finished work handle for the single-process case, so callers can always ``wait()``."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Optional[ProcessGroup] = None) -> int:
+    return dist.get_world_size(group) if is_initialized() else 1
+
+
+def rank(group: Optional[ProcessGroup] = None) -> int:
+    return dist.get_rank(group) if is_initialized() else 0
+
+
+def global_rank_of(group: Optional[ProcessGroup], group_rank: int) -> int:
+    """The global rank of ``group_rank`` inside ``group`` (needed by broadcast/send)."""
+    if not is_initialized() or group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def init_process_group(backend: str, world: int, global_rank: int, timeout_s: float) -> None:
+    """Create the default group (env:// rendezvous, set up by Lightning's cluster environment)."""
+    if is_initialized():
+        return
+    dist.init_process_group(backend, world_size=world, rank=global_rank, timeout=timedelta(seconds=timeout_s))
+
+
+def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:
+    """A sub-group. Every rank must call this for every group, in the same order."""
+    if not is_initialized():
+        return None
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    return dist.new_group(list(ranks), **kwargs)
+
+
+def _single(group: Optional[ProcessGroup]) -> bool:
+    return not is_initialized() or dist.get_world_size(group) == 1
+
+
+def all_reduce(tensor: Tensor, group: Optional[ProcessGroup], op: str = "sum", async_op: bool = False):
+    """In-place all-reduce; ``op`` is 'sum', 'max' or 'min' (averages are pre-divided by callers)."""
+    if _single(group):
+        return _DoneWork() if async_op else None
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    return dist.all_reduce(tensor, op=reduce_op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: Tensor, input: Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+    """Sum ``input`` (N x len(output) elements) over ranks; rank r receives chunk r into ``output``."""
+    if _single(group):
+        output.copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: Tensor, input: Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+    """Concatenate every rank's ``input`` into ``output`` (N x len(input) elements), in rank order."""
+    if _single(group):
+        output.copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def all_gather_list(tensors: list[Tensor], tensor: Tensor, group: Optional[ProcessGroup]) -> None:
+    """All-gather into a list of equally shaped tensors (Lightning's ``all_gather`` semantics)."""
+    if _single(group):
+        tensors[0].copy_(tensor)
+        return
+    dist.all_gather(tensors, tensor, group=group)
+
+
+def broadcast(tensor: Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> None:
+    if _single(group):
+        return
+    dist.broadcast(tensor, src=global_rank_of(group, src_group_rank), group=group)
+
+
+def broadcast_object(obj: object, src_group_rank: int, group: Optional[ProcessGroup]) -> object:
+    if _single(group):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=global_rank_of(group, src_group_rank), group=group)
+    return box[0]
+
+
+def all_to_all(output: Tensor, input: Tensor, group: Optional[ProcessGroup], async_op: bool = False):
+    """Equal-split all-to-all: chunk j of ``input`` goes to rank j, chunk i of ``output`` comes from rank i."""
+    if _single(group):
+        output.copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+
+
+def send(tensor: Tensor, dst_group_rank: int, group: Optional[ProcessGroup]) -> None:
+    dist.send(tensor, dst=global_rank_of(group, dst_group_rank), group=group)
+
+
+def recv(tensor: Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> None:
+    dist.recv(tensor, src=global_rank_of(group, src_group_rank), group=group)
+
+
+def barrier(group: Optional[ProcessGroup] = None, device_ids: Optional[list[int]] = None) -> None:
+    if _single(group):
+        return
+    if device_ids is not None and dist.get_backend(group) == "nccl":
+        dist.barrier(group=group, device_ids=device_ids)
+    else:
+        dist.barrier(group=group)
+
+
+def backend(group: Optional[ProcessGroup] = None) -> Optional[str]:
+    return dist.get_backend(group) if is_initialized() else None
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def sum_scalar(value: Tensor, group: Optional[ProcessGroup]) -> Tensor:
+    """Sum a 0-d/1-d tensor over ``group`` and return it (a new tensor on the same device)."""
+    out = value.detach().clone()
+    all_reduce(out, group, "sum")
+    return out
+
+
+def device_for(group: Optional[ProcessGroup], fallback: torch.device) -> torch.device:
+    """Where collective tensors must live for ``group``: CUDA for NCCL, CPU for gloo."""
+    if is_initialized() and dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    return fallback

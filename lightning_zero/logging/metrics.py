@@ -1,0 +1,255 @@
+"""``ZeroMetrics``: a Lightning callback that logs learning rate, gradient norm, loss scale, throughput,
+step time, peak memory and (on GPU) achieved TFLOP/s and MFU to the trainer's loggers.
+
+Why a callback and not code in the strategy: the same numbers must come out of every strategy we compare
+against (``ddp``, ``fsdp``, DeepSpeed), so the callback reads what a strategy offers through optional
+attributes (``grad_norm``, ``loss_scale``, ``skipped_steps``) and never requires them.
+
+[Note: timing windows] Step time and tokens/s are averaged over the ``log_every_n_steps`` steps since the
+last log, measured with one device synchronisation per log (not per step, which would serialise the
+CPU and GPU). Validation time inside a window is subtracted. The first window starts at the first
+training batch, so it includes warm-up costs (allocator growth, kernel autotuning).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    # (substring of torch.cuda.get_device_name(), dense bf16 tensor-core FLOP/s); first match wins,
+    # so more specific names come first.
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+)
+"""Known peak dense bf16 FLOP/s by device name; MFU is reported against these."""
+
+GIB = float(2**30)
+
+
+def peak_bf16_flops(device_name: str) -> Optional[float]:
+    """Peak dense bf16 FLOP/s of a device from its name, or None when it is not in the table."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+def achieved_flops(flops_per_token: float, tokens_per_s: float, world_size: int) -> float:
+    """FLOP/s achieved per device, from the global token rate (every device does an equal share)."""
+    return flops_per_token * tokens_per_s / world_size
+
+
+def count_tokens(batch: Any) -> int:
+    """Tokens in a batch: the element count of its first tensor (the (batch, time) input ids)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, Mapping):
+        first = batch.get("input_ids", next(iter(batch.values()), None))
+        return count_tokens(first)
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) > 0:
+        return count_tokens(batch[0])
+    raise TypeError(f"Cannot count tokens in a batch of type {type(batch).__name__}; pass tokens_per_batch=.")
+
+
+def peak_host_rss_bytes() -> Optional[int]:
+    """Peak resident set size of this process (the CPU analogue of peak device memory)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+class ZeroMetrics(Callback):
+    """Log training-health and performance metrics every ``log_every_n_steps`` optimizer steps.
+
+    Keys: ``train/lr`` (first param group), ``train/grad_norm`` (global, before clipping, unscaled),
+    ``train/loss_scale`` (16-mixed), ``train/skipped_steps`` (fp16 overflows), ``perf/tokens_per_s``
+    (all ranks together), ``perf/step_time_s``, ``perf/peak_memory_gib`` (CUDA max allocated) or
+    ``perf/peak_rss_gib`` (CPU), and on CUDA ``perf/tflops_per_device`` and ``perf/mfu``. Values come from
+    rank 0 (Lightning's loggers write only there). The loss is logged by the LightningModule.
+
+    Args:
+        log_every_n_steps: logging period in optimizer steps; None follows ``Trainer(log_every_n_steps=)``.
+        flops_per_token: training FLOPs per token for TFLOP/s and MFU; None reads the LightningModule's
+            ``flops_per_token`` attribute, and without either no TFLOP/s are logged.
+        peak_flops: the device's peak FLOP/s for MFU; None looks the device name up in
+            :data:`PEAK_BF16_FLOPS` (bf16 peaks, so 32-true runs show a low MFU by construction).
+        tokens_per_batch: counts the tokens in one rank's batch; default :func:`count_tokens`.
+            Tokens/s multiply it by the world size (every rank sees a batch of the same shape).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        flops_per_token: Optional[float] = None,
+        peak_flops: Optional[float] = None,
+        tokens_per_batch: Optional[Callable[[Any], int]] = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"log_every_n_steps must be >= 1, got {log_every_n_steps}.")
+        self.log_every_n_steps = log_every_n_steps
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.tokens_per_batch = tokens_per_batch or count_tokens
+        self._device: Optional[torch.device] = None
+        self._resolved_peak: Optional[float] = None
+        self._window_start: Optional[float] = None
+        self._window_step = 0
+        self._window_tokens = 0
+        self._pause_start: Optional[float] = None
+        self._paused = 0.0
+        self._fallback_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ events
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._device = pl_module.device
+        self._window_start = None
+        if self._device.type == "cuda":
+            name = torch.cuda.get_device_name(self._device)
+            self._resolved_peak = self.peak_flops or peak_bf16_flops(name)
+            if self._resolved_peak is None:
+                rank_zero_info(
+                    f"ZeroMetrics: no known peak FLOP/s for {name!r}, so MFU is not logged "
+                    "(pass ZeroMetrics(peak_flops=...) to enable it)."
+                )
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._window_start is None:
+            self._restart_window(trainer)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        # Strategies without a grad_norm of their own (ddp, single device) hold full, already averaged
+        # gradients on every rank, so the local norm is the global one. Sharded peers (fsdp) are skipped.
+        if hasattr(trainer.strategy, "grad_norm") or not trainer.is_global_zero:
+            return
+        if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+            return
+        if (trainer.global_step + 1) % self._every(trainer) != 0:
+            return
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            self._fallback_grad_norm = float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
+            ))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._window_tokens += self.tokens_per_batch(batch)
+        step = trainer.global_step
+        if step == self._window_step or step % self._every(trainer) != 0:
+            return  # mid-accumulation, or not a logging step
+        metrics = self._training_metrics(trainer)
+        metrics.update(self._performance_metrics(trainer, step))
+        # Label with the step the LightningModule's self.log uses for this batch (Lightning's own
+        # LearningRateMonitor does the same), so the loss and these metrics line up in TensorBoard.
+        log_step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=log_step)
+        self._restart_window(trainer)
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._window_start is not None:  # sanity checking runs before the first window
+            self._pause_start = self._now()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._pause_start is not None:
+            self._paused += self._now() - self._pause_start
+            self._pause_start = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _every(self, trainer: Trainer) -> int:
+        return self.log_every_n_steps or max(1, trainer.log_every_n_steps)
+
+    def _now(self) -> float:
+        """Wall clock after the device has finished the queued work (see [Note: timing windows])."""
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    def _restart_window(self, trainer: Trainer) -> None:
+        self._window_start = self._now()
+        self._window_step = trainer.global_step
+        self._window_tokens = 0
+        self._paused = 0.0
+
+    def _training_metrics(self, trainer: Trainer) -> dict[str, float]:
+        out: dict[str, float] = {}
+        groups = getattr(trainer.optimizers[0], "param_groups", None) if trainer.optimizers else None
+        if groups:
+            out["train/lr"] = float(groups[0]["lr"])
+        strategy = trainer.strategy
+        grad_norm = getattr(strategy, "grad_norm", None) if hasattr(strategy, "grad_norm") else self._fallback_grad_norm
+        if grad_norm is not None:
+            out["train/grad_norm"] = float(grad_norm)
+        loss_scale = getattr(strategy, "loss_scale", None)
+        if loss_scale is None:  # Lightning's own 16-mixed (torch GradScaler), for comparison runs
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        if loss_scale is not None:
+            out["train/loss_scale"] = float(loss_scale)
+        skipped = getattr(strategy, "skipped_steps", None)
+        if skipped is not None:
+            out["train/skipped_steps"] = float(skipped)
+        return out
+
+    def _performance_metrics(self, trainer: Trainer, step: int) -> dict[str, float]:
+        assert self._window_start is not None
+        elapsed = self._now() - self._window_start - self._paused
+        steps = step - self._window_step
+        out: dict[str, float] = {}
+        if elapsed <= 0 or steps <= 0:
+            return out
+        tokens_per_s = self._window_tokens * trainer.world_size / elapsed
+        out["perf/step_time_s"] = elapsed / steps
+        out["perf/tokens_per_s"] = tokens_per_s
+        if self._device is not None and self._device.type == "cuda":
+            out["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self._device) / GIB
+            flops_per_token = self.flops_per_token or getattr(trainer.lightning_module, "flops_per_token", None)
+            if flops_per_token:
+                achieved = achieved_flops(float(flops_per_token), tokens_per_s, trainer.world_size)
+                out["perf/tflops_per_device"] = achieved / 1e12
+                if self._resolved_peak:
+                    out["perf/mfu"] = achieved / self._resolved_peak
+        else:
+            rss = peak_host_rss_bytes()
+            if rss is not None:
+                out["perf/peak_rss_gib"] = rss / GIB
+        return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+__all__ = [
+    "ZeroMetrics", "PEAK_BF16_FLOPS", "peak_bf16_flops", "achieved_flops", "count_tokens", "peak_host_rss_bytes",
+]

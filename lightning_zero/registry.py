@@ -1,0 +1,43 @@
+"""Strategy names -> ZeroStrategy presets, registered on ``import lightning_zero``.
+
+Lightning has no entry point for third-party strategies, so names exist once this module has
+registered them (idempotently) in ``lightning.pytorch``'s registry and, when the separate
+``pytorch_lightning`` package is installed, in its registry too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero0": {"stage": 0},
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+}
+"""Registered name -> ZeroStrategy keyword arguments (everything else: ZeroConfig's defaults)."""
+
+DESCRIPTIONS = {
+    "zero0": "lightning_zero data parallel (flat bucketed all-reduce)",
+    "zero1": "lightning_zero ZeRO stage 1 (optimizer states partitioned)",
+    "zero2": "lightning_zero ZeRO stage 2 (optimizer states and gradients partitioned)",
+}
+
+
+def register_all(registry: Any) -> None:
+    """Register every preset into one StrategyRegistry (safe to call twice)."""
+    from lightning_zero.strategy import ZeroStrategy
+
+    for name, kwargs in PRESETS.items():
+        registry.register(name, ZeroStrategy, description=DESCRIPTIONS.get(name, name), override=True, **kwargs)
+
+
+def register_everywhere() -> None:
+    """Register into lightning.pytorch's registry and pytorch_lightning's when installed."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    register_all(StrategyRegistry)
+    try:
+        from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
+    except Exception:  # pytorch_lightning not installed: nothing to do
+        return
+    register_all(PLRegistry)

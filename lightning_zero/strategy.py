@@ -1,0 +1,379 @@
+"""ZeroStrategy: Lightning lifecycle glue around the ZeRO engines. No ZeRO math lives here.
+
+Reading order of one fit: ``setup_environment`` (process groups, via :class:`ParallelDims`) ->
+``setup`` (model to device, replicas made identical, ``configure_optimizers``, one engine per
+optimizer, the rest of the module cast to the compute dtype) -> per batch: ``backward`` (engine hooks
+reduce buckets) -> ``post_backward`` (engines finish reducing) -> ``optimizer_step`` (closure,
+Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
+``zero/state_dict.py`` -> ``teardown``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_zero.comm import collectives as C
+from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.parallel_dims import ParallelDims
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.zero import state_dict as zsd
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.stage1 import Stage1Engine
+from lightning_zero.zero.stage2 import Stage2Engine
+
+log = logging.getLogger(__name__)
+
+ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine}
+
+
+class ZeroStrategy(ParallelStrategy):
+    """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
+
+    Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error
+    naming the valid ones). ``loss_scale`` tunes fp16 dynamic loss scaling (:class:`LossScaleConfig`).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = ZeroConfig.stage,
+        *,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        loss_scale: Optional[Union[LossScaleConfig, dict]] = None,
+        **options: Any,
+    ) -> None:
+        self.config = ZeroConfig.from_kwargs(stage=stage, **options)
+        if self.config.stage == 3 and 3 not in ENGINES:
+            raise NotImplementedError("ZeRO stage 3 is not available in this version of lightning_zero.")
+        self._loss_scale = loss_scale
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self.dims: Optional[ParallelDims] = None
+        self._engines: dict[int, ZeroEngine] = {}
+        self._orig_dtypes: dict[str, torch.dtype] = {}
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning's connector special-cases its own strategies by isinstance; custom ones must say
+        this, or the Trainer adds no DistributedSampler and every rank trains on the same data."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is sharded by data-parallel rank only: the stages of one pipeline see the same batch."""
+        if self.dims is not None:
+            return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true", self._loss_scale)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        """Lightning's connector hands us a generic plugin built from ``precision=...``: convert it."""
+        if plugin is None:
+            self._precision_plugin = None
+            return
+        zp = ZeroPrecision.from_plugin(plugin)
+        if zp is not plugin and self._loss_scale is not None and zp.scaler is not None:
+            zp = ZeroPrecision(zp.precision, self._loss_scale)
+        self._precision_plugin = zp
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.config.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.dims = ParallelDims(self.world_size, self.global_rank, pp=self.config.pipeline_stages)
+        if self.config.pipeline_stages > 1:
+            raise NotImplementedError(
+                "pipeline_stages > 1 needs lightning_zero.pipeline.PipelineModule, which is not available yet."
+            )
+        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        if self.world_size > 1 or C.is_initialized():
+            from datetime import timedelta
+
+            _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout_s))
+        self.dims.build_groups(self.config.timeout_s)
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self._broadcast_module_states()
+        self._orig_dtypes = {k: v.dtype for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            self._build_engines()
+        self.precision_plugin.convert_module(self.model)
+        for engine in self._engines.values():
+            for fg in engine.groups:
+                for p in fg.params:
+                    if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
+                        raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
+
+    def _build_engines(self) -> None:
+        assert self.dims is not None and self.lightning_module is not None
+        engine_cls = ENGINES[self.config.stage]
+        dtype = self.precision_plugin.compute_dtype
+        bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+        names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
+        norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []
+        self._engines = {}
+        for opt in self.optimizers:
+            engine = engine_cls(
+                opt, self.dims.dp_group, dtype, self.root_device, bucket_numel, norm_groups=norm_groups, param_names=names
+            )
+            self._engines[id(opt)] = engine
+
+    def _broadcast_module_states(self) -> None:
+        """Make every replica start from rank 0's weights and buffers (as DDP does at wrap time)."""
+        assert self.model is not None
+        if C.world_size() == 1:
+            return
+        group = self.dims.dp_group if self.dims is not None else None
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                C.broadcast(t.data, 0, group)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training step plumbing
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's gradient accumulation: stages 0/1 keep accumulating locally; stage 2 reduces anyway."""
+        for engine in self._engines.values():
+            engine.require_sync = False
+        try:
+            yield None
+        finally:
+            for engine in self._engines.values():
+                engine.require_sync = True
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        for engine in self._engines.values():
+            engine.post_backward()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        engine = self._engines.get(id(optimizer))
+        if engine is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        model = model or self.lightning_module
+        assert isinstance(model, pl.LightningModule)
+        result = closure()
+        precision = self.precision_plugin
+        precision._after_closure(model, optimizer)
+        clip = precision.pop_clip_value()
+        if result is None and model.automatic_optimization:
+            engine._zero_grads()  # training_step returned None: skip the step, as torch would
+            return None
+        stepped = engine.step(clip, precision.scaler)
+        if not stepped:
+            rank_zero_only(log.warning)(
+                f"fp16 gradient overflow: step skipped on every rank, loss scale now {precision.loss_scale:g}"
+            )
+        return result
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm (unscaled, before clipping) of the last step, for logging."""
+        norms = [e.grad_norm for e in self._engines.values() if e.grad_norm is not None]
+        return float(sum(n * n for n in norms) ** 0.5) if norms else None
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self.precision_plugin.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        scaler = self.precision_plugin.scaler
+        return scaler.overflows if scaler is not None else 0
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        return list(self._engines.values())
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        ids = [self.root_device.index] if self.root_device.type == "cuda" else None
+        C.barrier(None, device_ids=ids)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return C.broadcast_object(obj, src, None)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or C.world_size(group) == 1:
+            return tensor
+        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+        if op in ("avg", "mean"):
+            out = tensor.detach().clone().float() if not tensor.is_floating_point() else tensor.detach().clone()
+            C.all_reduce(out, group, "sum")
+            return out / C.world_size(group)
+        if op not in ("sum", "max", "min"):
+            raise ValueError(f"reduce_op must be one of 'mean', 'sum', 'max', 'min'; got {reduce_op!r}")
+        out = tensor.detach().clone()
+        C.all_reduce(out, group, op)
+        return out
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        n = C.world_size(group)
+        t = tensor.contiguous()
+        out = [torch.empty_like(t) for _ in range(n)]
+        C.all_gather_list(out, t, group)
+        return torch.stack(out)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights by name, loadable by the plain model (every rank must call this)."""
+        module = self.lightning_module
+        assert module is not None
+        state = module.state_dict()
+        masters: dict[int, Tensor] = {}
+        for engine in self._engines.values():
+            masters.update(zsd.full_master_params(engine))
+        by_id = {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
+        keyed = {}
+        for k, v in module.state_dict(keep_vars=True).items():
+            if id(v) in masters:
+                keyed[k] = masters[id(v)]
+        out = {}
+        for k, v in state.items():
+            value = keyed.get(k, v)
+            want = self._orig_dtypes.get(k)
+            if torch.is_tensor(value) and want is not None and value.dtype != want:
+                value = value.to(want)
+            out[k] = value.detach().cpu() if torch.is_tensor(value) else value
+        del by_id
+        return out
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        sd = checkpoint["state_dict"]
+        module.load_state_dict(sd, strict=strict)
+        if not self._engines:
+            return
+        values = {}
+        for k, v in module.state_dict(keep_vars=True).items():
+            if k in sd:
+                values[id(v)] = sd[k].to(self.root_device, torch.float32)
+        for engine in self._engines.values():
+            zsd.load_master_params(engine, values)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        engine = self._engines.get(id(optimizer))
+        if engine is None:
+            return optimizer.state_dict()
+        return zsd.gather_optimizer_state(engine)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        saved = checkpoint["optimizer_states"]
+        for opt, state in zip(self.optimizers, saved):
+            engine = self._engines.get(id(opt))
+            if engine is None:
+                opt.load_state_dict(state)
+            else:
+                zsd.load_optimizer_state(engine, state)
+
+    # ------------------------------------------------------------------ teardown / registry
+    @override
+    def teardown(self) -> None:
+        for engine in self._engines.values():
+            engine.remove_hooks()
+        self._engines = {}
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from lightning_zero.registry import register_all
+
+        register_all(strategy_registry)

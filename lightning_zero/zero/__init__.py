@@ -1,0 +1,1 @@
+"""ZeRO engines: partition math, flat buffers and the per-stage engines."""

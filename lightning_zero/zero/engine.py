@@ -1,0 +1,258 @@
+"""ZeroEngine: the stage-0 engine (data parallel over flat buckets) and the skeleton every stage shares.
+
+What happens, in order, for one optimizer step (stage files override only the marked steps):
+
+1. ``__init__``: every param group becomes a :class:`FlatParamGroup`; the optimizer's group is
+   re-pointed at the fp32 master; a post-accumulate-grad hook goes on every trainable parameter.
+2. backward: each hook stashes its gradient (``_stash_grad``, per stage) and marks it ready; a
+   bucket whose parameters are all ready is launched (``_launch``, per stage) **in bucket order**.
+3. ``post_backward`` (called by the strategy after every backward): buckets still waiting (their
+   parameters got no gradient this time) are launched in order with zeros for the missing
+   parameters, and every collective is awaited and finalised (``_finalize``, per stage).
+4. ``step``: global gradient norm, overflow check, unscale and clip in one multiply, the user's
+   optimizer steps the master, updated parameters are written back (``_write_back``, per stage).
+
+[Note: launch in bucket order]
+Collectives must be issued in the same order on every rank. Hooks fire in an order that depends
+on the data (a parameter unused on one rank never fires there), so a bucket is launched only once
+it and every bucket before it are ready; whatever is left is launched by ``post_backward``. Ranks
+may therefore disagree on *when* a bucket goes, never on the order, which is why parameters without
+a gradient in a step need no ``find_unused_parameters`` flag. Their gradient counts as zero (as in
+DeepSpeed): with Adam, a parameter unused by every rank still sees its moments decay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.zero.flat_group import FlatParamGroup
+from lightning_zero.zero.loss_scaler import DynamicLossScaler
+from lightning_zero.zero.partition import build_layout
+from lightning_zero.zero.wrappable import check_wrappable
+
+
+@dataclass
+class _Pending:
+    """A launched bucket: its collective and what to do once it is done."""
+
+    work: object
+    finalize: Callable[[], None]
+
+
+@dataclass
+class _BackwardState:
+    """Bookkeeping of one backward pass (reset by ``post_backward``)."""
+
+    ready: list[list[bool]]
+    missing: dict[tuple[int, int], int]
+    next_launch: int = 0
+    pending: list[_Pending] = field(default_factory=list)
+
+
+class ZeroEngine:
+    """Stage 0: replicated master and optimizer, bucketed all-reduce of a flat gradient buffer."""
+
+    stage: int = 0
+    keeps_full_grad: bool = True
+    """Whether parameters keep full gradients (views into ``flat_grad``) after backward."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        dp_group: Optional[C.ProcessGroup],
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        bucket_numel: int,
+        norm_groups: Sequence[Optional[C.ProcessGroup]] = (),
+        param_names: Optional[dict[int, str]] = None,
+    ) -> None:
+        check_wrappable(optimizer, self.stage)
+        self.optimizer = optimizer
+        self.dp_group = dp_group
+        self.dp_size = C.world_size(dp_group)
+        self.dp_rank = C.rank(dp_group)
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.norm_groups = list(norm_groups)
+        self.param_names = param_names or {}
+        self.grad_norm: Optional[float] = None
+        self.require_sync = True
+        self.groups: list[FlatParamGroup] = []
+        self.original_params: list[list[Parameter]] = []
+        """Each param group's parameters as the user gave them (torch's state-dict numbering)."""
+        num_shards = self.dp_size if self.stage >= 1 else 1
+        shard = self.dp_rank if self.stage >= 1 else 0
+        seen: set[int] = set()
+        for pg in optimizer.param_groups:
+            self.original_params.append(list(pg["params"]))
+            params: list[Parameter] = []
+            for p in pg["params"]:
+                if id(p) in seen:
+                    if any(p is q for q in params):
+                        continue  # listed twice in one group (tied weights): one slot
+                    raise ValueError("A parameter appears in two param groups; ZeRO needs each in exactly one.")
+                seen.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+            layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
+            fg = FlatParamGroup(params, layout, shard, compute_dtype, device)
+            pg["params"] = [fg.master]
+            self.groups.append(fg)
+        optimizer.state.clear()
+        self.launch_order: list[tuple[int, int]] = [
+            (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
+        ]
+        self._setup_grad_storage()
+        self._bw = self._fresh_backward_state()
+        self._hooks = [
+            fg.params[slot.index].register_post_accumulate_grad_hook(self._make_hook(gi, si))
+            for gi, fg in enumerate(self.groups)
+            for si, slot in enumerate(fg.layout.slots)
+        ]
+
+    # ---------------------------------------------------------------- stage-specific steps
+    def _setup_grad_storage(self) -> None:
+        for fg in self.groups:
+            fg.attach_full_grad(self.compute_dtype)
+
+    def _stash_grad(self, gi: int, si: int, param: Tensor) -> None:
+        """Make sure the gradient lives in the flat buffer (user code may have replaced ``.grad``)."""
+        fg = self.groups[gi]
+        view = fg.param_view(si, fg.flat_grad)
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad)
+        param.grad = view
+
+    def _launch(self, gi: int, bi: int) -> _Pending:
+        fg = self.groups[gi]
+        bucket = fg.bucket_view(fg.flat_grad, bi)
+        bucket.div_(self.dp_size)
+        work = C.all_reduce(bucket, self.dp_group, "sum", async_op=True)
+        return _Pending(work, lambda: None)
+
+    def _master_grads(self) -> list[Tensor]:
+        return [fg.flat_grad if fg.shares_master else fg.flat_grad.to(fg.master.dtype) for fg in self.groups]
+
+    def _write_back(self) -> None:
+        for fg in self.groups:
+            if not fg.shares_master:
+                fg.flat_param.copy_(fg.master)
+
+    def _zero_grads(self) -> None:
+        for fg in self.groups:
+            fg.flat_grad.zero_()
+
+    @property
+    def _grads_are_sharded(self) -> bool:
+        return False
+
+    # ---------------------------------------------------------------- hooks and backward
+    @property
+    def _syncing(self) -> bool:
+        """Reduce in this backward? Engines without full gradients must, even while accumulating."""
+        return self.require_sync or not self.keeps_full_grad
+
+    def _fresh_backward_state(self) -> _BackwardState:
+        missing = {}
+        for gi, fg in enumerate(self.groups):
+            for b in fg.layout.buckets:
+                missing[(gi, b.index)] = len(b.slots)
+        return _BackwardState([[False] * len(fg.layout.slots) for fg in self.groups], missing)
+
+    def _make_hook(self, gi: int, si: int) -> Callable[[Tensor], None]:
+        def hook(param: Tensor) -> None:
+            self._on_grad_ready(gi, si, param)
+
+        return hook
+
+    def _on_grad_ready(self, gi: int, si: int, param: Tensor) -> None:
+        bw = self._bw
+        slot = self.groups[gi].layout.slots[si]
+        if bw.ready[gi][si] and self.launch_order.index((gi, slot.bucket)) < bw.next_launch:
+            name = self.param_names.get(id(param), f"group {gi} parameter {slot.index}")
+            raise RuntimeError(
+                f"Parameter '{name}' received a second gradient after its bucket was reduced in this "
+                "backward pass (reentrant activation checkpointing does this): use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+            )
+        self._stash_grad(gi, si, param)
+        if not self._syncing or bw.ready[gi][si]:
+            return
+        bw.ready[gi][si] = True
+        bw.missing[(gi, slot.bucket)] -= 1
+        while bw.next_launch < len(self.launch_order) and bw.missing[self.launch_order[bw.next_launch]] == 0:
+            gb = self.launch_order[bw.next_launch]
+            bw.pending.append(self._launch(*gb))
+            bw.next_launch += 1
+
+    def post_backward(self) -> None:
+        """Finish the reduction of this backward pass (no-op while gradients accumulate locally)."""
+        if not self._syncing:
+            return
+        bw = self._bw
+        while bw.next_launch < len(self.launch_order):
+            bw.pending.append(self._launch(*self.launch_order[bw.next_launch]))
+            bw.next_launch += 1
+        for p in bw.pending:
+            p.work.wait()
+            p.finalize()
+        self._bw = self._fresh_backward_state()
+
+    # ---------------------------------------------------------------- the step
+    def global_grad_norm_sq(self, grads: Sequence[Tensor]) -> Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            if g.numel():
+                sq += g.float().pow(2).sum()
+        groups = ([self.dp_group] if self._grads_are_sharded else []) + self.norm_groups
+        for grp in groups:
+            C.all_reduce(sq, grp, "sum")
+        return sq
+
+    def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None) -> bool:
+        """Unscale, clip by the global norm, step the master shard, write back. False when skipped."""
+        grads = self._master_grads()
+        scale = scaler.scale if scaler is not None else 1.0
+        norm = float(self.global_grad_norm_sq(grads).sqrt()) / scale
+        self.grad_norm = norm
+        overflow = not math.isfinite(norm)
+        if scaler is not None:
+            scaler.update(overflow)
+            if overflow:
+                self._zero_grads()
+                return False
+        coef = 1.0 / scale
+        if clip_val is not None and clip_val > 0:
+            coef *= min(1.0, clip_val / (norm + 1e-6))
+        for fg, g in zip(self.groups, grads):
+            if coef != 1.0:
+                g.mul_(coef)
+            fg.master.grad = g
+        self.optimizer.step()
+        for fg in self.groups:
+            fg.master.grad = None
+        self._write_back()
+        self._zero_grads()
+        return True
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ---------------------------------------------------------------- inspection
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (for memory reports)."""
+        total = 0
+        for st in self.optimizer.state.values():
+            for v in st.values():
+                if torch.is_tensor(v):
+                    total += v.numel() * v.element_size()
+        return total

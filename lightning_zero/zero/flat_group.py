@@ -1,0 +1,90 @@
+"""One optimizer param group turned into flat buffers: 16-bit parameters, fp32 master shard, gradients.
+
+[Note: parameters are views]
+Every trainable parameter's ``.data`` becomes a view into ``flat_param``, so the model runs
+unchanged, one collective moves a whole bucket, and writing the updated shard back is a copy into
+the buffer rather than a loop over tensors. The optimizer never sees these views: its param group
+is re-pointed at ``master`` (the fp32 shard this rank owns), which is why any elementwise
+``torch.optim.Optimizer`` works unchanged, with its own hyper-parameters, LR schedulers included.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_zero.zero.partition import FlatLayout
+
+
+class FlatParamGroup:
+    """Flat storage of one param group on one rank."""
+
+    def __init__(
+        self,
+        params: list[Parameter],
+        layout: FlatLayout,
+        shard: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        master_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.params = params
+        self.layout = layout
+        self.shard = shard
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.flat_param = torch.zeros(layout.total, dtype=compute_dtype, device=device)
+        self.shares_master = layout.num_shards == 1 and compute_dtype == master_dtype
+        if self.shares_master:
+            self.master = self.flat_param
+        else:
+            self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        # master first, from the original (full precision) values, then the 16-bit copy.
+        for index, start, shard_start, length in layout.param_pieces_in_shard(shard if layout.num_shards > 1 else 0):
+            src = params[index].detach().reshape(-1)[start : start + length]
+            if not self.shares_master:
+                self.master[shard_start : shard_start + length].copy_(src)
+        for slot in layout.slots:
+            p = params[slot.index]
+            view = self.flat_param[slot.offset : slot.offset + slot.numel].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
+        self.flat_grad: Optional[Tensor] = None
+        """Full gradient buffer (stages 0 and 1); parameters' ``.grad`` are views into it."""
+        self.grad_shard: Optional[Tensor] = None
+        """fp32 reduced gradients of this rank's shard (stages 1 and 2), accumulated over micro-batches."""
+
+    # --- views --------------------------------------------------------------------------------
+    def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
+        slot = self.layout.slots[slot_index]
+        p = self.params[slot.index]
+        return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
+
+    def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:
+        b = self.layout.buckets[bucket_index]
+        return buffer[b.start : b.end]
+
+    def master_chunk(self, bucket_index: int) -> Tensor:
+        """This rank's piece of bucket ``bucket_index`` in the master shard."""
+        b = self.layout.buckets[bucket_index]
+        if self.layout.num_shards == 1:
+            return self.master[b.start : b.end]
+        return self.master[b.shard_offset : b.shard_offset + b.chunk]
+
+    # --- gradient storage -----------------------------------------------------------------------
+    def attach_full_grad(self, dtype: torch.dtype) -> None:
+        """Allocate the full gradient buffer and point every ``param.grad`` at its view."""
+        self.flat_grad = torch.zeros(self.layout.total, dtype=dtype, device=self.device)
+        for i in range(len(self.layout.slots)):
+            self.params[self.layout.slots[i].index].grad = self.param_view(i, self.flat_grad)
+
+    def ensure_grad_shard(self) -> Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
+        return self.grad_shard
+
+    def num_trainable(self) -> int:
+        return sum(s.numel for s in self.layout.slots)

@@ -1,0 +1,154 @@
+"""Sharded engine state <-> the plain, full state dicts Lightning checkpoints hold.
+
+[Note: checkpoints are layout-free]
+Checkpoints store what a plain model and ``torch.optim`` would store: fp32 weights by parameter
+name, and the optimizer state in torch's per-parameter format. Saving gathers the shards (every
+rank takes part; rank 0 writes), loading slices each rank's shard out again. So a checkpoint from
+``zero2`` on 4 ranks resumes on 2 ranks or under ``ddp``, and ``load_from_checkpoint`` or a plain
+``load_state_dict`` reads it (the peers' sharded directories can do neither without a converter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.flat_group import FlatParamGroup
+
+
+def _is_sharded(engine: ZeroEngine) -> bool:
+    return engine.stage >= 1 and engine.dp_size > 1
+
+
+def gather_flat(engine: ZeroEngine, fg: FlatParamGroup, shard: Tensor) -> Tensor:
+    """The full flat tensor (``layout.total`` elements) of a shard-shaped tensor (collective)."""
+    if fg.layout.num_shards == 1:
+        return shard
+    full = shard.new_empty(fg.layout.total)
+    works = []
+    for b in fg.layout.buckets:
+        src = shard[b.shard_offset : b.shard_offset + b.chunk].contiguous()
+        works.append(C.all_gather(full[b.start : b.end], src, engine.dp_group, async_op=True))
+    for w in works:
+        w.wait()
+    return full
+
+
+def scatter_flat(fg: FlatParamGroup, per_param: dict[int, Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """This rank's shard of a tensor given per trainable parameter (index in ``fg.params``)."""
+    shard_index = fg.shard if fg.layout.num_shards > 1 else 0
+    out = torch.zeros(fg.layout.shard_numel, dtype=dtype, device=device)
+    for index, start, shard_start, length in fg.layout.param_pieces_in_shard(shard_index):
+        src = per_param.get(index)
+        if src is not None:
+            out[shard_start : shard_start + length].copy_(src.reshape(-1)[start : start + length])
+    return out
+
+
+def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
+    """fp32 full value of every trainable parameter, keyed by ``id(param)`` (collective)."""
+    out: dict[int, Tensor] = {}
+    for fg in engine.groups:
+        full = gather_flat(engine, fg, fg.master)
+        for slot in fg.layout.slots:
+            p = fg.params[slot.index]
+            out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(p.shape).detach().clone()
+    return out
+
+
+def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
+    """Set the fp32 masters (and the 16-bit parameters) from full values keyed by ``id(param)``."""
+    for fg in engine.groups:
+        per_param = {slot.index: values[id(fg.params[slot.index])] for slot in fg.layout.slots
+                     if id(fg.params[slot.index]) in values}
+        shard = scatter_flat(fg, per_param, fg.master.dtype, fg.master.device)
+        fg.master.copy_(shard)
+        if not fg.shares_master:
+            for slot in fg.layout.slots:
+                if slot.index in per_param:
+                    p = fg.params[slot.index]
+                    p.data.copy_(per_param[slot.index].to(p.dtype).view(p.shape))
+
+
+def _torch_ids(engine: ZeroEngine) -> list[dict[int, int]]:
+    """torch.optim's state-dict numbering: per group, id(param) -> index (deduplicated, in order)."""
+    seen: dict[int, int] = {}
+    per_group = []
+    nxt = 0
+    for params in engine.original_params:
+        ids = {}
+        for p in params:
+            if id(p) not in seen:
+                seen[id(p)] = nxt
+                nxt += 1
+            ids[id(p)] = seen[id(p)]
+        per_group.append(ids)
+    return per_group
+
+
+def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
+    """The wrapped optimizer's state in torch's per-parameter format (collective)."""
+    opt = engine.optimizer
+    ids = _torch_ids(engine)
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    for gi, (fg, pg) in enumerate(zip(engine.groups, opt.param_groups)):
+        st = opt.state.get(fg.master, {})
+        for key in sorted(st):
+            value = st[key]
+            if torch.is_tensor(value) and value.dim() == 1 and value.numel() == fg.master.numel() and value.numel() > 0:
+                full = gather_flat(engine, fg, value)
+                for slot in fg.layout.slots:
+                    p = fg.params[slot.index]
+                    piece = full[slot.offset : slot.offset + slot.numel].view(p.shape).detach().clone()
+                    state.setdefault(ids[gi][id(p)], {})[key] = piece
+            else:
+                for slot in fg.layout.slots:
+                    v = value.detach().clone() if torch.is_tensor(value) else value
+                    state.setdefault(ids[gi][id(fg.params[slot.index])], {})[key] = v
+        packed = {k: v for k, v in pg.items() if k != "params"}
+        packed["params"] = [ids[gi][id(p)] for p in engine.original_params[gi]]
+        groups.append(packed)
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
+    """Restore state saved by :func:`gather_optimizer_state` (or by a plain torch optimizer)."""
+    opt = engine.optimizer
+    if len(saved["param_groups"]) != len(opt.param_groups):
+        raise ValueError(
+            f"Checkpoint has {len(saved['param_groups'])} optimizer param groups, the optimizer has "
+            f"{len(opt.param_groups)}."
+        )
+    ids = _torch_ids(engine)
+    saved_state = {int(k): v for k, v in saved["state"].items()}
+    opt.state.clear()
+    for gi, (fg, pg, spg) in enumerate(zip(engine.groups, opt.param_groups, saved["param_groups"])):
+        for k, v in spg.items():
+            if k != "params":
+                pg[k] = v
+        per_key: dict[str, dict[int, Tensor]] = {}
+        scalars: dict[str, Any] = {}
+        for slot in fg.layout.slots:
+            p = fg.params[slot.index]
+            entry = saved_state.get(ids[gi][id(p)])
+            if not entry:
+                continue
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.numel():
+                    per_key.setdefault(key, {})[slot.index] = value
+                else:
+                    scalars.setdefault(key, value)
+        if not per_key and not scalars:
+            continue
+        new_state: dict[str, Any] = {}
+        for key, values in per_key.items():
+            dtype = next(iter(values.values())).dtype
+            new_state[key] = scatter_flat(fg, values, dtype, fg.master.device)
+        for key, value in scalars.items():
+            new_state[key] = value.clone() if torch.is_tensor(value) else value
+        opt.state[fg.master] = new_state

@@ -1,0 +1,24 @@
+"""Launch tests/helpers/dist_worker.py under torchrun on CPU/gloo and load its results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600) -> dict[str, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
+        str(ROOT / "tests/helpers/dist_worker.py"), str(tmp),
+    ] + [f"{k}={v}" for k, v in runs.items()]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
