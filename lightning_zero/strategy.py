@@ -230,7 +230,7 @@ class ZeroStrategy(ParallelStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        engine = self._engines.get(id(optimizer))
+        engine = self._engines.get(id(getattr(optimizer, "_optimizer", optimizer)))
         if engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
@@ -348,6 +348,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         engine = self._engines.get(id(optimizer))
         if engine is None:
             return optimizer.state_dict()
@@ -367,8 +368,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         for engine in self._engines.values():
-            engine.remove_hooks()
-        self._engines = {}
+            engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
         super().teardown()
 
     @classmethod

@@ -2,7 +2,10 @@
 
 Writes ``<out>/<name>.pt`` on rank 0 with per-step losses, final full weights and per-rank memory
 counts. Usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT NAME=SPEC [NAME=SPEC ...]
-where SPEC is ``ddp`` or ``zeroK[:key=value,...]`` (keys: precision, accumulate, clip, steps, opt, ckpt).
+where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
+bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
+every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
+hysteresis (fp16 loss scaler).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Optional
 
 import torch
 
@@ -17,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
@@ -36,6 +41,7 @@ class MemoryProbe(pl.Callback):
     def __init__(self) -> None:
         self.grad_bytes = 0
         self.state_bytes = 0
+        self.trace = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         strategy = trainer.strategy
@@ -45,7 +51,18 @@ class MemoryProbe(pl.Callback):
                 tensors += [t for t in (fg.flat_grad, fg.grad_shard) if t is not None]
         self.grad_bytes = max(self.grad_bytes, storage_bytes(tensors))
 
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        checksum = sum(float(p.detach().double().sum()) for p in pl_module.parameters())
+        states = [v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()]
+        state_sum = sum(float(v.double().sum()) for v in states if torch.is_tensor(v) and v.dim() > 0)
+        self.trace.append({
+            "step": trainer.global_step, "loss_scale": getattr(strategy, "loss_scale", None),
+            "skipped": getattr(strategy, "skipped_steps", 0), "params": checksum, "state": state_sum,
+            "dtype": str(next(pl_module.parameters()).dtype), "batch": int(batch[0].sum()),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        })
         tensors = []
         for opt in trainer.optimizers:
             for st in opt.state.values():
@@ -53,33 +70,75 @@ class MemoryProbe(pl.Callback):
         self.state_bytes = max(self.state_bytes, storage_bytes(tensors))
 
 
-def run(name: str, spec: str, out: str) -> None:
-    kind, opts = parse(spec)
-    pl.seed_everything(0, workers=True)
-    model = ParityNet(optimizer=opts.get("opt", "adamw"))
+def make_trainer(
+    kind: str, opts: dict[str, str], max_steps: int, probe: MemoryProbe, extra: Optional[list] = None
+) -> pl.Trainer:
+    precision = opts.get("precision", "32-true")
+    plugin_kwargs = {}
     if kind == "ddp":
         strategy = DDPStrategy(find_unused_parameters=True)
     else:
-        strategy = lightning_zero.ZeroStrategy(stage=int(kind[-1]), bucket_size_mb=float(opts.get("bucket_mb", 0.002)))
-    probe = MemoryProbe()
-    trainer = pl.Trainer(
+        zp = None
+        if precision == "16-mixed":  # Lightning maps 16-mixed on CPU to bf16: hand the plugin in directly
+            zp = lightning_zero.ZeroPrecision("16-mixed", {"hysteresis": int(opts.get("hysteresis", 2))})
+            plugin_kwargs = {}
+        strategy = lightning_zero.ZeroStrategy(
+            stage=int(kind[-1]), bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp
+        )
+        if zp is None:
+            plugin_kwargs = {"precision": precision}
+    if kind == "ddp":
+        plugin_kwargs = {"precision": precision}
+    return pl.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
         strategy=strategy,
-        precision=opts.get("precision", "32-true"),
-        max_steps=int(opts.get("steps", 30)),
+        max_steps=max_steps,
         accumulate_grad_batches=int(opts.get("accumulate", 2)),
         gradient_clip_val=float(opts.get("clip", 0.5)) or None,
+        limit_train_batches=int(opts["limit"]) if "limit" in opts else None,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(extra),
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=2,
-        val_check_interval=10,
+        val_check_interval=int(opts.get("val_every", 10)),
         num_sanity_val_steps=0,
-        callbacks=[probe],
+        callbacks=[probe] + list(extra or []),
+        use_distributed_sampler=False,
+        **plugin_kwargs,
     )
-    trainer.fit(model)
+
+
+def run(name: str, spec: str, out: str) -> None:
+    kind, opts = parse(spec)
+    pl.seed_everything(0, workers=True)
+    n_train = int(opts.get("n_train", 512))
+    model = ParityNet(optimizer=opts.get("opt", "adamw"), inject_inf_at=int(opts.get("inject", -1)), n_train=n_train)
+    probe = MemoryProbe()
+    steps = int(opts.get("steps", 30))
+    losses: list[float] = []
+    resumed: list[float] = []
+    ckpt_dir = ""
+    if "resume" in opts:
+        # Checkpoints written by Lightning's ModelCheckpoint at each epoch end, then a fresh Trainer
+        # resumes from the first one and must reproduce the uninterrupted run's later losses.
+        ckpt_dir = os.path.join(out, f"{name}_ckpt")
+        saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True)
+        trainer = make_trainer(kind, opts, steps, probe, [saver])
+        trainer.fit(model)
+        losses = list(model.losses)
+        first = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("epoch=0"))[0]
+        pl.seed_everything(0, workers=True)
+        fresh = ParityNet(optimizer=opts.get("opt", "adamw"), n_train=n_train)
+        again = make_trainer(kind, opts, steps, MemoryProbe())
+        again.fit(fresh, ckpt_path=os.path.join(ckpt_dir, first))
+        resumed = list(fresh.losses)
+    else:
+        trainer = make_trainer(kind, opts, steps, probe)
+        trainer.fit(model)
+        losses = list(model.losses)
+    model.losses = losses
     if kind == "ddp":
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
@@ -89,6 +148,9 @@ def run(name: str, spec: str, out: str) -> None:
         "weights": weights,
         "grad_bytes": probe.grad_bytes,
         "state_bytes": probe.state_bytes,
+        "trace": probe.trace,
+        "resumed_losses": resumed,
+        "ckpt_dir": ckpt_dir,
     }
     gathered = [None] * int(os.environ["WORLD_SIZE"])
     torch.distributed.all_gather_object(gathered, {k: result[k] for k in ("losses", "grad_bytes", "state_bytes")})

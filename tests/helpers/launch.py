@@ -12,10 +12,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600) -> dict[str, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         str(ROOT / "tests/helpers/dist_worker.py"), str(tmp),
     ] + [f"{k}={v}" for k, v in runs.items()]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

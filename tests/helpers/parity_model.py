@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 VOCAB, DIM, SEQ = 37, 23, 9
 
@@ -44,7 +44,10 @@ class Block(nn.Module):
 
 
 class ParityNet(LightningModule):
-    def __init__(self, lr: float = 3e-3, optimizer: str = "adamw", checkpointing: bool = True) -> None:
+    def __init__(
+        self, lr: float = 3e-3, optimizer: str = "adamw", checkpointing: bool = True, inject_inf_at: int = -1,
+        n_train: int = 512,
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.frozen = nn.Linear(DIM, DIM)
@@ -57,6 +60,8 @@ class ParityNet(LightningModule):
         self.optimizer_name = optimizer
         self.checkpointing = checkpointing
         self.losses: list[float] = []
+        self.inject_inf_at = inject_inf_at
+        self.n_train = n_train
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -75,6 +80,8 @@ class ParityNet(LightningModule):
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
         self.losses.append(float(loss.detach()))
         self.log("loss", loss, sync_dist=False)
+        if self.global_step == self.inject_inf_at and self.trainer.global_rank == 1:
+            loss = loss * float("inf")  # an fp16 overflow on one rank only: every rank must skip
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
@@ -99,7 +106,11 @@ class ParityNet(LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(RandomTokens(), batch_size=4, shuffle=False)
+        # Our own sampler (the Trainer runs with use_distributed_sampler=False): Lightning's automatic
+        # one reshuffles every epoch in a way a resumed run does not reproduce, under ddp too.
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(RandomTokens(self.n_train), shuffle=False, **kwargs)
+        return DataLoader(RandomTokens(self.n_train), batch_size=4, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(RandomTokens(64, seed=99), batch_size=8, shuffle=False)
