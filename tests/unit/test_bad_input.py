@@ -1,0 +1,79 @@
+"""Bad input fails at once, before training, with one message naming the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+import lightning_zero
+from lightning_zero import ZeroPrecision, ZeroStrategy
+from tests.helpers.parity_model import ParityNet
+
+
+def _trainer(strategy, **kw) -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False, **kw,
+    )
+
+
+def test_invalid_stage() -> None:
+    with pytest.raises(ValueError, match=r"stage must be one of \[0, 1, 2, 3\]"):
+        ZeroStrategy(stage=5)
+
+
+def test_unknown_option_names_the_valid_ones() -> None:
+    with pytest.raises(TypeError, match="bucket_size_mb"):
+        ZeroStrategy(stage=2, bucket_size=3)
+
+
+def test_unknown_strategy_name_fails_at_construction() -> None:
+    # Lightning's own message (it lists only its own names; Hydra's strategy group lists ours)
+    with pytest.raises(Exception, match="invalid strategy name"):
+        Trainer(strategy="zero9", accelerator="cpu", devices=1)
+
+
+def test_names_are_registered_idempotently() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    lightning_zero.register_everywhere()
+    lightning_zero.register_everywhere()
+    for name, kwargs in lightning_zero.PRESETS.items():
+        assert StrategyRegistry[name]["init_params"] == kwargs
+    trainer = Trainer(strategy="zero1", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 1
+
+
+class LBFGSNet(ParityNet):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_optimizer_zero_cannot_wrap() -> None:
+    with pytest.raises(TypeError, match="cannot wrap LBFGS.*Supported"):
+        _trainer(ZeroStrategy(stage=2)).fit(LBFGSNet(checkpointing=False))
+
+
+def test_pipeline_needs_enough_ranks() -> None:
+    with pytest.raises(ValueError, match="not divisible by pipeline_stages=2"):
+        _trainer(ZeroStrategy(stage=1, pipeline_stages=2)).fit(ParityNet(checkpointing=False))
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
+def test_unsupported_precision(precision: str) -> None:
+    with pytest.raises(ValueError, match="32-true"):
+        Trainer(strategy=ZeroStrategy(stage=2), precision=precision, accelerator="cpu", devices=1)
+    with pytest.raises(ValueError, match="32-true"):
+        ZeroPrecision(precision)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_single_process_trains(stage: int) -> None:
+    model = ParityNet(checkpointing=False)
+    before = model.blocks[0].up.weight.detach().clone()
+    trainer = _trainer(ZeroStrategy(stage=stage), precision="bf16-mixed", limit_val_batches=0)
+    trainer.fit(model)
+    assert model.blocks[0].up.weight.dtype == torch.bfloat16
+    assert not torch.equal(model.blocks[0].up.weight.float(), before)
+    assert trainer.strategy.grad_norm is not None and trainer.strategy.grad_norm > 0
