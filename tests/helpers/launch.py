@@ -22,6 +22,8 @@ def free_port() -> int:
 
 def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600) -> dict[str, dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED"):
+        env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         str(ROOT / "tests/helpers/dist_worker.py"), str(tmp),
