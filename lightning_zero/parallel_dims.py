@@ -23,6 +23,9 @@ class ParallelDims:
     pp: int = 1
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    dp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    """Same ranks as ``dp_group``; ZeRO-3's parameter all-gathers run here (stage3.py's
+    [Note: two process groups])."""
 
     def __post_init__(self) -> None:
         if self.pp < 1 or self.world_size % self.pp != 0:
@@ -55,12 +58,17 @@ class ParallelDims:
             return
         if self.pp == 1:
             self.dp_group = C.new_group(range(self.world_size), timeout_s)
+            self.dp_param_group = C.new_group(range(self.world_size), timeout_s)
             self.pp_group = None
             return
         for s in range(self.pp):
             g = C.new_group(self.dp_ranks(s), timeout_s)
             if s == self.pp_rank:
                 self.dp_group = g
+        for s in range(self.pp):
+            g = C.new_group(self.dp_ranks(s), timeout_s)
+            if s == self.pp_rank:
+                self.dp_param_group = g
         for d in range(self.dp):
             g = C.new_group(self.pp_ranks(d), timeout_s)
             if d == self.dp_rank:

@@ -28,6 +28,20 @@ class ZeroConfig:
     """Run gradient collectives on a side CUDA stream while backward continues (no effect on CPU,
     where gloo collectives are asynchronous already)."""
 
+    unit_policy: Optional[list[str]] = None
+    """Stage 3: which module subtrees are gathered as one unit. None: every child of an ``nn.ModuleList``
+    (the transformer blocks); else class names or fnmatch patterns of module names, e.g. ``["Block"]``."""
+
+    prefetch_units: int = 1
+    """Stage 3: how many units ahead (in the recorded execution order) to all-gather while one computes."""
+
+    max_live_parameters: int = 1_000_000_000
+    """Stage 3: prefetching stops while more than this many parameters are gathered at once."""
+
+    param_persistence_threshold: int = 100_000
+    """Stage 3: units with at most this many parameters stay gathered (their all-gathers cost more
+    latency than their memory is worth)."""
+
     pipeline_stages: int = 1
     """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
 
@@ -50,6 +64,15 @@ class ZeroConfig:
             raise ValueError(f"ZeRO stage must be one of {list(VALID_STAGES)}, got {self.stage!r}.")
         if not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {self.bucket_size_mb!r}.")
+        if self.prefetch_units < 0 or self.max_live_parameters < 1 or self.param_persistence_threshold < 0:
+            raise ValueError(
+                "prefetch_units >= 0, max_live_parameters >= 1 and param_persistence_threshold >= 0 are required, "
+                f"got {self.prefetch_units}, {self.max_live_parameters}, {self.param_persistence_threshold}."
+            )
+        if self.unit_policy is not None and (
+            isinstance(self.unit_policy, str) or not all(isinstance(x, str) for x in self.unit_policy)
+        ):
+            raise ValueError(f"unit_policy must be a list of class names or module-name patterns, got {self.unit_policy!r}.")
         if not (isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1):
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
         if self.process_group_backend not in (None, "nccl", "gloo"):

@@ -72,6 +72,7 @@ class ZeroEngine:
         bucket_numel: int,
         norm_groups: Sequence[Optional[C.ProcessGroup]] = (),
         param_names: Optional[dict[int, str]] = None,
+        **stage_options: object,
     ) -> None:
         check_wrappable(optimizer, self.stage)
         self.optimizer = optimizer
@@ -87,24 +88,8 @@ class ZeroEngine:
         self.groups: list[FlatParamGroup] = []
         self.original_params: list[list[Parameter]] = []
         """Each param group's parameters as the user gave them (torch's state-dict numbering)."""
-        num_shards = self.dp_size if self.stage >= 1 else 1
-        shard = self.dp_rank if self.stage >= 1 else 0
-        seen: set[int] = set()
-        for pg in optimizer.param_groups:
-            self.original_params.append(list(pg["params"]))
-            params: list[Parameter] = []
-            for p in pg["params"]:
-                if id(p) in seen:
-                    if any(p is q for q in params):
-                        continue  # listed twice in one group (tied weights): one slot
-                    raise ValueError("A parameter appears in two param groups; ZeRO needs each in exactly one.")
-                seen.add(id(p))
-                if p.requires_grad:
-                    params.append(p)
-            layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
-            fg = FlatParamGroup(params, layout, shard, compute_dtype, device)
-            pg["params"] = [fg.master]
-            self.groups.append(fg)
+        self.stage_options = stage_options
+        self._build_groups(bucket_numel)
         optimizer.state.clear()
         self.launch_order: list[tuple[int, int]] = [
             (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
@@ -118,6 +103,33 @@ class ZeroEngine:
         ]
 
     # ---------------------------------------------------------------- stage-specific steps
+    def _trainable_groups(self) -> list[list[Parameter]]:
+        """Each param group's trainable parameters, deduplicated; the user's lists are remembered."""
+        seen: set[int] = set()
+        out = []
+        for pg in self.optimizer.param_groups:
+            self.original_params.append(list(pg["params"]))
+            params: list[Parameter] = []
+            for p in pg["params"]:
+                if id(p) in seen:
+                    if any(p is q for q in params):
+                        continue  # listed twice in one group (tied weights): one slot
+                    raise ValueError("A parameter appears in two param groups; ZeRO needs each in exactly one.")
+                seen.add(id(p))
+                if p.requires_grad:
+                    params.append(p)
+            out.append(params)
+        return out
+
+    def _build_groups(self, bucket_numel: int) -> None:
+        num_shards = self.dp_size if self.stage >= 1 else 1
+        shard = self.dp_rank if self.stage >= 1 else 0
+        for pg, params in zip(self.optimizer.param_groups, self._trainable_groups()):
+            layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
+            fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device)
+            pg["params"] = [fg.master]
+            self.groups.append(fg)
+
     def _setup_grad_storage(self) -> None:
         for fg in self.groups:
             fg.attach_full_grad(self.compute_dtype)

@@ -149,3 +149,36 @@ def build_layout(
         cur_numel += n
     close()
     return FlatLayout(tuple(slots), tuple(buckets), num_shards, start)
+
+
+def build_grouped_layout(
+    numels: Sequence[int], keys: Sequence[int], key_order: Sequence[int], num_shards: int, align: int = 1
+) -> tuple[FlatLayout, dict[int, int]]:
+    """One bucket per key (stage 3: per unit), buckets in ``key_order``, parameters in group order.
+
+    Returns the layout and key -> bucket index (keys without parameters get no bucket).
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    pad_to = num_shards * max(1, align)
+    slots: list[Slot] = []
+    buckets: list[Bucket] = []
+    bucket_of: dict[int, int] = {}
+    start = shard_offset = 0
+    for key in key_order:
+        members = [i for i, k in enumerate(keys) if k == key]
+        if not members:
+            continue
+        n = sum(int(numels[i]) for i in members)
+        end = start + _round_up(max(n, 1), pad_to)
+        idxs, off = [], start
+        for i in members:
+            idxs.append(len(slots))
+            slots.append(Slot(index=i, offset=off, numel=int(numels[i]), bucket=len(buckets)))
+            off += int(numels[i])
+        b = Bucket(len(buckets), start, end, start + n, num_shards, shard_offset, tuple(idxs))
+        bucket_of[key] = b.index
+        buckets.append(b)
+        shard_offset += b.chunk
+        start = end
+    return FlatLayout(tuple(slots), tuple(buckets), num_shards, start), bucket_of

@@ -67,11 +67,14 @@ def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
                      if id(fg.params[slot.index]) in values}
         shard = scatter_flat(fg, per_param, fg.master.dtype, fg.master.device)
         fg.master.copy_(shard)
-        if not fg.shares_master:
+        if fg.flat_param is not None and not fg.shares_master:  # stages 0-2: parameters are full
             for slot in fg.layout.slots:
                 if slot.index in per_param:
                     p = fg.params[slot.index]
                     p.data.copy_(per_param[slot.index].to(p.dtype).view(p.shape))
+    after = getattr(engine, "after_master_load", None)
+    if callable(after):
+        after()
 
 
 def _torch_ids(engine: ZeroEngine) -> list[dict[int, int]]:

@@ -54,7 +54,9 @@ class MemoryProbe(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
-        checksum = sum(float(p.detach().double().sum()) for p in pl_module.parameters())
+        # what the optimizer holds: the parameters under ddp, this rank's fp32 master shards under ZeRO
+        # (ZeRO-3's released parameters must not be read outside a gather)
+        checksum = sum(float(p.detach().double().sum()) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
         states = [v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()]
         state_sum = sum(float(v.double().sum()) for v in states if torch.is_tensor(v) and v.dim() > 0)
         self.trace.append({
@@ -82,8 +84,14 @@ def make_trainer(
         if precision == "16-mixed":  # Lightning maps 16-mixed on CPU to bf16: hand the plugin in directly
             zp = lightning_zero.ZeroPrecision("16-mixed", {"hysteresis": int(opts.get("hysteresis", 2))})
             plugin_kwargs = {}
+        stage = int(kind[-1])
+        stage3 = (
+            {"param_persistence_threshold": int(opts.get("persist", 0)), "prefetch_units": int(opts.get("prefetch", 1))}
+            if stage == 3
+            else {}
+        )
         strategy = lightning_zero.ZeroStrategy(
-            stage=int(kind[-1]), bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp
+            stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3
         )
         if zp is None:
             plugin_kwargs = {"precision": precision}

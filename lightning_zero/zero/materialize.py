@@ -1,0 +1,86 @@
+"""Sharded initialisation for ZeRO-3: build on the meta device, materialise one unit at a time.
+
+Inside ``ZeroStrategy.model_sharded_context`` (Lightning enters it around ``configure_model``)
+every parameter registered on a module is replaced by a meta-device copy as soon as it is created,
+so building a model costs at most one parameter's memory, whatever its total size. Buffers stay
+real (they are small, and values computed in ``__init__`` such as masks would otherwise be lost).
+
+The engine then materialises the model unit by unit (:func:`materialize_unit`): each meta parameter
+is swapped in place for an empty real one (``torch.utils.swap_tensors`` keeps the Python object, so
+optimizers built from it still point at it), its module's ``reset_parameters()`` runs, then the
+LightningModule's optional ``zero_init_module(module)`` hook for custom initialisation, and the unit
+is sharded before the next one is materialised. Every rank runs the same initialisation with the
+same seed, so each keeps a consistent shard of one and the same model.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Generator, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+
+from lightning_zero.zero.units import Unit
+
+
+@contextmanager
+def params_on_meta() -> Generator[None, None, None]:
+    """Register parameters on the meta device while the block runs."""
+
+    def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
+        if param is None or param.is_meta:
+            return None
+        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+
+    handle = register_module_parameter_registration_hook(to_meta)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def has_meta_params(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _modules_of(model: nn.Module, unit: Unit, units: list[Unit]) -> list[nn.Module]:
+    if unit.module is not None:
+        return list(unit.module.modules())
+    inside = {id(m) for u in units if u.module is not None for m in u.module.modules()}
+    return [m for m in model.modules() if id(m) not in inside]
+
+
+def materialize_modules(
+    modules: list[nn.Module], device: torch.device, init_hook: Optional[Callable[[nn.Module], None]] = None
+) -> None:
+    """Give every meta parameter of ``modules`` real storage and initialise it."""
+    touched = []
+    for module in modules:
+        mine = False
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, real)
+                mine = True
+        if mine:
+            touched.append(module)
+    with torch.no_grad():
+        for module in touched:
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
+            if init_hook is not None:
+                init_hook(module)
+
+
+def make_unit_materializer(
+    model: nn.Module, device: torch.device, init_hook: Optional[Callable] = None
+) -> Callable[[Unit, list[Unit]], None]:
+    """A callback for Stage3Engine: materialise the modules of one unit (root: those outside all units)."""
+
+    def materialize(unit: Unit, units: list[Unit]) -> None:
+        materialize_modules(_modules_of(model, unit, units), device, init_hook)
+
+    return materialize

@@ -1,0 +1,112 @@
+"""One param group under ZeRO-3: only shards persist; full unit buffers exist while gathered.
+
+[Note: parameters keep their shape]
+Each bucket (one unit's share of a param group) has a full-size buffer whose *storage* is resized to
+zero when released and back when gathered (FSDP2's trick). Parameters are views into these buffers,
+created once and never re-pointed, so ``p.shape``/``p.numel()`` stay true (Lightning's ModelSummary
+counts correctly), autograd's saved views of a weight stay valid across release and re-gather, and
+touching a released parameter fails loudly instead of reading stale values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+
+from lightning_zero.zero.partition import FlatLayout
+
+
+class ShardedParamGroup:
+    """Shards (fp32 master, 16-bit gather source) and releasable full buffers of one param group."""
+
+    shares_master = False
+    flat_grad: Optional[Tensor] = None
+    flat_param: Optional[Tensor] = None
+
+    def __init__(
+        self,
+        params: list[Parameter],
+        layout: FlatLayout,
+        shard: int,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        master_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.params = params
+        self.layout = layout
+        self.shard = shard
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        self.shard16: Optional[Tensor] = (
+            torch.zeros(layout.shard_numel, dtype=compute_dtype, device=device) if compute_dtype != master_dtype else None
+        )
+        self.full: list[Tensor] = []
+        for b in layout.buckets:
+            buf = torch.empty(b.numel, dtype=compute_dtype, device=device)
+            buf.untyped_storage().resize_(0)
+            self.full.append(buf)
+        self.grad_shard: Optional[Tensor] = None
+
+    def adopt(self, bucket_index: int) -> None:
+        """Take the current (full) values of the bucket's parameters into the shards, then make every
+        parameter a view into the (released) full buffer. Called once per bucket, unit by unit."""
+        b = self.layout.buckets[bucket_index]
+        lo, hi = b.chunk_range(self.shard)
+        for si in b.slots:
+            slot = self.layout.slots[si]
+            p = self.params[slot.index]
+            a, z = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < z:
+                src = p.detach().reshape(-1)[a - slot.offset : z - slot.offset]
+                dst = b.shard_offset + (a - lo)
+                self.master[dst : dst + (z - a)].copy_(src)
+                if self.shard16 is not None:
+                    self.shard16[dst : dst + (z - a)].copy_(src)
+        buf = self.allocate(bucket_index)  # views can only be cut from allocated storage
+        for si in b.slots:
+            slot = self.layout.slots[si]
+            p = self.params[slot.index]
+            p.data = buf[slot.offset - b.start : slot.offset - b.start + slot.numel].view(p.shape)
+        self.free(bucket_index)
+
+    def gather_source(self, bucket_index: int) -> Tensor:
+        """This rank's chunk of the bucket, in the compute dtype (what the all-gather sends)."""
+        b = self.layout.buckets[bucket_index]
+        src = self.shard16 if self.shard16 is not None else self.master
+        return src[b.shard_offset : b.shard_offset + b.chunk]
+
+    def is_gathered(self, bucket_index: int) -> bool:
+        return self.full[bucket_index].untyped_storage().nbytes() > 0
+
+    def allocate(self, bucket_index: int) -> Tensor:
+        buf = self.full[bucket_index]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        return buf
+
+    def free(self, bucket_index: int) -> None:
+        self.full[bucket_index].untyped_storage().resize_(0)
+
+    def refresh_shard16(self) -> None:
+        if self.shard16 is not None:
+            self.shard16.copy_(self.master)
+
+    def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
+        slot = self.layout.slots[slot_index]
+        p = self.params[slot.index]
+        return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
+
+    def master_chunk(self, bucket_index: int) -> Tensor:
+        b = self.layout.buckets[bucket_index]
+        return self.master[b.shard_offset : b.shard_offset + b.chunk]
+
+    def ensure_grad_shard(self) -> Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
+        return self.grad_shard
+
+    def num_trainable(self) -> int:
+        return sum(s.numel for s in self.layout.slots)

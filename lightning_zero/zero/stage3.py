@@ -1,0 +1,312 @@
+"""Stage 3: parameters are partitioned too; each unit is gathered just before it runs.
+
+What is new over stage 2 (stage2.py), in the order it happens:
+
+* layout: one bucket per (unit, param group) instead of size-capped buckets (units.py says what a
+  unit is), so a unit's gather and its gradient reduce-scatter are one collective per group;
+* ``begin_step``: the root unit (embeddings, tied head, final norm) is gathered for the whole step;
+* forward pre-hook of a unit: gather it (waiting for a prefetch if one is in flight), then prefetch
+  the next ``prefetch_units`` units of the recorded order while this one computes; forward
+  post-hook: release it, and hook its outputs so it is gathered again when backward reaches it;
+* backward: gradients are reduce-scattered by stage 2's bucket logic; once every parameter of a unit
+  has its gradient, the unit is released; ``post_backward`` releases whatever is left;
+* step: the fp32 master shard steps; the 16-bit shard is refreshed from it; nothing is all-gathered
+  (the next forward gathers), except persistent units, which stay gathered and are refreshed here.
+
+[Note: two process groups]
+Parameter all-gathers run on their own data-parallel group. Gradient buckets launch in bucket order
+(engine.py's [Note: launch in bucket order]) and gathers in execution order; on one group their
+interleaving could differ between ranks (a hook firing earlier on one rank), which mismatches
+collectives. Two groups keep each ordering consistent and let NCCL overlap the two streams.
+
+[Note: activation checkpointing]
+Under ``torch.utils.checkpoint`` a unit's forward runs again inside backward. Its pre-hook then
+gathers (if the backward pre-hook has not already) and its post-hook must not release: the
+recomputed activations are consumed by the backward that follows. ``_in_backward`` tells these apart.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Generator, Iterable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.zero.partition import build_grouped_layout
+from lightning_zero.zero.sharded_group import ShardedParamGroup
+from lightning_zero.zero.stage2 import Stage2Engine
+from lightning_zero.zero.units import ROOT, Unit, assign_params, find_units
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(output: Any) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _tensors(o)]
+    if isinstance(output, dict):
+        return [t for o in output.values() for t in _tensors(o)]
+    return []
+
+
+class Stage3Engine(Stage2Engine):
+    stage = 3
+
+    # ---------------------------------------------------------------- construction
+    def _build_groups(self, bucket_numel: int) -> None:
+        opts = self.stage_options
+        module: nn.Module = opts["module"]  # type: ignore[assignment]
+        self.param_group = opts.get("param_group", self.dp_group)
+        self.prefetch_units = int(opts.get("prefetch_units", 1))  # type: ignore[arg-type]
+        self.max_live = int(opts.get("max_live_parameters", 10**9))  # type: ignore[arg-type]
+        threshold = int(opts.get("param_persistence_threshold", 0))  # type: ignore[arg-type]
+        materialize = opts.get("materialize")
+        self.units: list[Unit] = find_units(module, opts.get("unit_policy"))  # type: ignore[arg-type]
+        per_group = self._trainable_groups()
+        owner = assign_params(module, self.units, [p for ps in per_group for p in ps])
+        order = [u.index for u in reversed(self.units[1:])] + [ROOT]  # backward order: last block first
+        for gi, (pg, params) in enumerate(zip(self.optimizer.param_groups, per_group)):
+            keys = [owner[id(p)] for p in params]
+            layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, self.dp_size, align=8)
+            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device)
+            for key, bi in bucket_of.items():
+                unit = self.units[key]
+                unit.buckets.append((gi, bi))
+                unit.numel += layout.buckets[bi].data_end - layout.buckets[bi].start
+                unit.params += [params[layout.slots[si].index] for si in layout.buckets[bi].slots]
+            pg["params"] = [fg.master]
+            self.groups.append(fg)
+        for unit in self.units:  # unit by unit: a meta-built model is materialised one unit at a time
+            if materialize is not None:
+                materialize(unit, self.units)  # type: ignore[operator]
+            for gi, bi in unit.buckets:
+                self.groups[gi].adopt(bi)
+            unit.persistent = not unit.is_root and unit.numel <= threshold
+        self._pending: dict[int, list] = {}
+        self._gathered: set[int] = set()
+        self._versions: dict[int, list[int]] = {}
+        self._grads_left: dict[int, int] = {}
+        self.order: list[int] = []
+        self._order_frozen = False
+        self._cursor = 0
+        self.live_numel = 0
+        self.max_live_units_seen = 0
+        self.max_live_numel_seen = 0
+        self._unit_of_slot = {
+            (gi, si): owner[id(fg.params[slot.index])]
+            for gi, fg in enumerate(self.groups)
+            for si, slot in enumerate(fg.layout.slots)
+        }
+        self._module_hooks = []
+        for unit in self.units[1:]:
+            assert unit.module is not None
+            if unit.buckets:
+                self._module_hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                self._module_hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        for unit in self.units:
+            if unit.persistent:
+                self.gather(unit)
+
+    # ---------------------------------------------------------------- gather / release
+    def gather(self, unit: Unit, wait: bool = True) -> None:
+        """All-gather ``unit`` (collective on the parameter group; every rank calls it in the same order)."""
+        if unit.index not in self._gathered:
+            works = []
+            for gi, bi in unit.buckets:
+                fg = self.groups[gi]
+                buf = fg.allocate(bi)
+                works.append(C.all_gather(buf, fg.gather_source(bi), self.param_group, async_op=True))
+            self._pending[unit.index] = works
+            self._gathered.add(unit.index)
+            self.live_numel += unit.numel
+            live_units = sum(1 for i in self._gathered if not self.units[i].is_root and not self.units[i].persistent)
+            self.max_live_units_seen = max(self.max_live_units_seen, live_units)
+            self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
+        if wait:
+            self._wait(unit)
+
+    def _wait(self, unit: Unit) -> None:
+        works = self._pending.pop(unit.index, None)
+        if works is not None:
+            for w in works:
+                w.wait()
+            self._versions[unit.index] = [p._version for p in unit.params]
+
+    def release(self, unit: Unit, force: bool = False) -> None:
+        if unit.index not in self._gathered or (unit.persistent and not force):
+            return
+        self._wait(unit)
+        self._check_unmodified(unit)
+        for gi, bi in unit.buckets:
+            self.groups[gi].free(bi)
+        self._gathered.discard(unit.index)
+        self._versions.pop(unit.index, None)
+        self.live_numel -= unit.numel
+
+    def _check_unmodified(self, unit: Unit) -> None:
+        before = self._versions.get(unit.index)
+        if before is None:
+            return
+        for p, v in zip(unit.params, before):
+            if p._version != v:
+                name = self.param_names.get(id(p), "a parameter")
+                raise RuntimeError(
+                    f"ZeRO-3: '{name}' was modified in place outside the optimizer while gathered; the change "
+                    "would be lost when its unit is released. Modify parameters inside "
+                    "`with strategy.gathered_params(module, writeback=True):` instead."
+                )
+
+    def _prefetch(self, upcoming: Iterable[int]) -> None:
+        for idx in upcoming:
+            unit = self.units[idx]
+            if idx in self._gathered or unit.persistent or unit.is_root:
+                continue
+            if self.live_numel + unit.numel > self.max_live:
+                return
+            self.gather(unit, wait=False)
+
+    # ---------------------------------------------------------------- hooks
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any) -> None:
+            if _in_backward():  # recomputation under activation checkpointing
+                self.gather(unit)
+                return
+            if not self._order_frozen and torch.is_grad_enabled():
+                self.order.append(unit.index)
+            self.gather(unit)
+            if self._order_frozen and self.prefetch_units > 0:
+                pos = self._cursor
+                if pos < len(self.order) and self.order[pos] == unit.index:
+                    self._cursor += 1
+                    self._prefetch(self.order[pos + 1 : pos + 1 + self.prefetch_units])
+
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if _in_backward():
+                return output
+            if torch.is_grad_enabled():
+                tensors = [t for t in _tensors(output) if t.requires_grad]
+                if tensors:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        tensors, lambda grads: self._pre_backward(unit), mode="any"
+                    )
+            self.release(unit)
+            return output
+
+        return hook
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.gather(unit)
+        if self._order_frozen and self.prefetch_units > 0:
+            positions = [i for i, u in enumerate(self.order) if u == unit.index]
+            if positions:
+                pos = positions[-1]
+                self._prefetch(reversed(self.order[max(0, pos - self.prefetch_units) : pos]))
+
+    def _on_grad_ready(self, gi: int, si: int, param: Tensor) -> None:
+        first = not self._bw.ready[gi][si]
+        super()._on_grad_ready(gi, si, param)
+        if not first:
+            return
+        idx = self._unit_of_slot[(gi, si)]
+        unit = self.units[idx]
+        if idx not in self._grads_left:
+            self._grads_left[idx] = sum(len(self.groups[g].layout.buckets[b].slots) for g, b in unit.buckets)
+        self._grads_left[idx] -= 1
+        if self._grads_left[idx] == 0 and not unit.is_root:
+            self.release(unit)
+
+    # ---------------------------------------------------------------- step boundaries
+    def begin_step(self) -> None:
+        """Gather the root unit for a training, validation, test or predict step."""
+        self._cursor = 0
+        self.gather(self.units[ROOT])
+
+    def end_eval_step(self) -> None:
+        for idx in list(self._gathered):
+            self.release(self.units[idx])
+
+    def post_backward(self) -> None:
+        super().post_backward()
+        self._grads_left = {}
+        if self.order:
+            self._order_frozen = True
+        for idx in list(self._gathered):
+            if idx != ROOT:
+                self.release(self.units[idx])
+
+    def _write_back(self) -> None:
+        for fg in self.groups:
+            fg.refresh_shard16()
+        self.release(self.units[ROOT])
+        for unit in self.units:
+            if unit.persistent:
+                self.release(unit, force=True)
+                self.gather(unit)
+
+    # ---------------------------------------------------------------- user access
+    @contextmanager
+    def gathered_params(self, module: Optional[nn.Module] = None, writeback: bool = False) -> Generator[None, None, None]:
+        """Gather every unit holding a parameter of ``module`` (default: all) for user code.
+
+        Collective: every rank must enter it. With ``writeback=True`` in-place changes made inside are
+        copied into the shards (every rank must make the same change).
+        """
+        wanted = {id(p) for p in (module.parameters() if module is not None else [])}
+        units = [u for u in self.units if u.buckets and (module is None or any(id(p) in wanted for p in u.params))]
+        already = {u.index for u in units if u.index in self._gathered}
+        for u in units:
+            self.gather(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                if writeback:
+                    for gi, bi in u.buckets:
+                        fg = self.groups[gi]
+                        b = fg.layout.buckets[bi]
+                        lo, hi = b.chunk_range(fg.shard)
+                        fg.master_chunk(bi).copy_(fg.full[bi][lo - b.start : hi - b.start])
+                        if fg.shard16 is not None:
+                            fg.shard16[b.shard_offset : b.shard_offset + b.chunk].copy_(fg.master_chunk(bi))
+                    self._versions[u.index] = [p._version for p in u.params]
+                if u.index not in already:
+                    self.release(u)
+
+    def after_master_load(self) -> None:
+        """Masters were overwritten (checkpoint load): refresh the 16-bit shards and persistent units."""
+        self._write_back()
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+
+def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
+    """After training, calling a module whose parameters are released raises a clear error
+    (instead of a cryptic storage-size error deep inside a matmul)."""
+    sharded = {id(p) for fg in engine.groups for p in fg.params}
+
+    def guard(module: nn.Module, args: Any) -> None:
+        if any(id(p) in sharded and p.untyped_storage().nbytes() == 0 for p in module.parameters(recurse=False)):
+            raise RuntimeError(
+                f"{type(module).__name__}'s parameters are partitioned by ZeRO stage 3 and not gathered here. "
+                "Call the model inside the Trainer, or wrap the call in "
+                "`with trainer.strategy.gathered_params():` (all ranks), or load the full weights from a "
+                "checkpoint (Lightning checkpoints hold a plain state dict)."
+            )
+
+    return [
+        m.register_forward_pre_hook(guard)
+        for m in model.modules()
+        if any(id(p) in sharded for p in m.parameters(recurse=False))
+    ]
