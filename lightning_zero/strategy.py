@@ -38,10 +38,12 @@ from lightning_zero.zero import state_dict as zsd
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
+from lightning_zero.zero.stage3 import Stage3Engine, guard_released_modules
+from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules, params_on_meta
 
 log = logging.getLogger(__name__)
 
-ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine}
+ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -80,6 +82,7 @@ class ZeroStrategy(ParallelStrategy):
         self.dims: Optional[ParallelDims] = None
         self._engines: dict[int, ZeroEngine] = {}
         self._orig_dtypes: dict[str, torch.dtype] = {}
+        self._guards: list = []
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -168,6 +171,8 @@ class ZeroStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._build_engines()
+        if has_meta_params(self.model):  # not fitting, or parameters outside every optimizer
+            materialize_modules(list(self.model.modules()), self.root_device)
         self.precision_plugin.convert_module(self.model)
         for engine in self._engines.values():
             for fg in engine.groups:
@@ -175,9 +180,87 @@ class ZeroStrategy(ParallelStrategy):
                     if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
                         raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
 
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Stage 3: ``configure_model`` builds parameters on the meta device (materialize.py)."""
+        if self.config.stage != 3:
+            yield
+            return
+        with params_on_meta():
+            yield
+
+    @contextmanager
+    def gathered_params(
+        self, module: Optional[torch.nn.Module] = None, writeback: bool = False
+    ) -> Generator[None, None, None]:
+        """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
+
+        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it.
+        """
+        engines = [e for e in self._engines.values() if isinstance(e, Stage3Engine)]
+        if not engines:
+            yield
+            return
+        with engines[0].gathered_params(module, writeback):
+            yield
+
+    def _begin_step(self) -> None:
+        for engine in self._engines.values():
+            if isinstance(engine, Stage3Engine):
+                engine.begin_step()
+
+    def _end_eval_step(self) -> None:
+        for engine in self._engines.values():
+            if isinstance(engine, Stage3Engine):
+                engine.end_eval_step()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._begin_step()
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            self._end_eval_step()
+
     def _build_engines(self) -> None:
         assert self.dims is not None and self.lightning_module is not None
         engine_cls = ENGINES[self.config.stage]
+        stage_options: dict[str, Any] = {}
+        if self.config.stage == 3:
+            if len(self.optimizers) != 1:
+                raise ValueError(f"ZeRO stage 3 supports exactly one optimizer, got {len(self.optimizers)}.")
+            lm = self.lightning_module
+            stage_options = {
+                "module": lm,
+                "param_group": self.dims.dp_param_group,
+                "unit_policy": self.config.unit_policy,
+                "prefetch_units": self.config.prefetch_units,
+                "max_live_parameters": self.config.max_live_parameters,
+                "param_persistence_threshold": self.config.param_persistence_threshold,
+                "materialize": make_unit_materializer(lm, self.root_device, getattr(lm, "zero_init_module", None)),
+            }
         dtype = self.precision_plugin.compute_dtype
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
@@ -185,7 +268,14 @@ class ZeroStrategy(ParallelStrategy):
         self._engines = {}
         for opt in self.optimizers:
             engine = engine_cls(
-                opt, self.dims.dp_group, dtype, self.root_device, bucket_numel, norm_groups=norm_groups, param_names=names
+                opt,
+                self.dims.dp_group,
+                dtype,
+                self.root_device,
+                bucket_numel,
+                norm_groups=norm_groups,
+                param_names=names,
+                **stage_options,
             )
             self._engines[id(opt)] = engine
 
@@ -197,12 +287,14 @@ class ZeroStrategy(ParallelStrategy):
         group = self.dims.dp_group if self.dims is not None else None
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                C.broadcast(t.data, 0, group)
+                if not t.is_meta:  # meta parameters are materialised identically on every rank
+                    C.broadcast(t.data, 0, group)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))  # meta: materialised later, unit by unit
 
     # ------------------------------------------------------------------ training step plumbing
     @contextmanager
@@ -336,7 +428,17 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         sd = checkpoint["state_dict"]
-        module.load_state_dict(sd, strict=strict)
+        sharded = {id(p) for e in self._engines.values() if isinstance(e, Stage3Engine) for fg in e.groups for p in fg.params}
+        if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
+            names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
+            missing = [k for k in names if k not in sd]
+            if strict and missing:
+                raise KeyError(f"Checkpoint lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            result = module.load_state_dict({k: v for k, v in sd.items() if k not in names}, strict=False)
+            if strict and [k for k in result.missing_keys if k not in names] + list(result.unexpected_keys):
+                raise KeyError(f"State dict mismatch: {result}")
+        else:
+            module.load_state_dict(sd, strict=strict)
         if not self._engines:
             return
         values = {}
@@ -369,6 +471,9 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         for engine in self._engines.values():
             engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
+            if isinstance(engine, Stage3Engine) and self.lightning_module is not None:
+                engine.end_eval_step()
+                self._guards += guard_released_modules(self.lightning_module, engine)
         super().teardown()
 
     @classmethod
