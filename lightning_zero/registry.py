@@ -13,6 +13,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero0": {"stage": 0},
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
 }
 """Registered name -> ZeroStrategy keyword arguments (everything else: ZeroConfig's defaults)."""
 
@@ -20,6 +21,7 @@ DESCRIPTIONS = {
     "zero0": "lightning_zero data parallel (flat bucketed all-reduce)",
     "zero1": "lightning_zero ZeRO stage 1 (optimizer states partitioned)",
     "zero2": "lightning_zero ZeRO stage 2 (optimizer states and gradients partitioned)",
+    "zero3": "lightning_zero ZeRO stage 3 (optimizer states, gradients and parameters partitioned)",
 }
 
 

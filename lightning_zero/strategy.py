@@ -31,6 +31,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_zero.comm import collectives as C
+from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
@@ -168,9 +169,19 @@ class ZeroStrategy(ParallelStrategy):
         self.model_to_device()
         self._broadcast_module_states()
         self._orig_dtypes = {k: v.dtype for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
+        for guard in self._guards:
+            guard.remove()
+        self._guards = []
         if trainer.state.fn == TrainerFn.FITTING:
+            for old in self._engines.values():  # a second fit: parameters get full storage back first
+                if isinstance(old, Stage3Engine):
+                    old.unshard_to_plain()
             self.setup_optimizers(trainer)
             self._build_engines()
+        else:
+            for engine in self._engines.values():  # validate/test/predict after fit: gather per unit again
+                if isinstance(engine, Stage3Engine):
+                    engine.install_module_hooks()
         if has_meta_params(self.model):  # not fitting, or parameters outside every optimizer
             materialize_modules(list(self.model.modules()), self.root_device)
         self.precision_plugin.convert_module(self.model)
@@ -267,6 +278,7 @@ class ZeroStrategy(ParallelStrategy):
         norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []
         self._engines = {}
         for opt in self.optimizers:
+            compressed_comm.attach_backend(opt, self.config.stage, self.dims.dp_group)  # 1-bit optimizers only
             engine = engine_cls(
                 opt,
                 self.dims.dp_group,
@@ -287,7 +299,9 @@ class ZeroStrategy(ParallelStrategy):
         group = self.dims.dp_group if self.dims is not None else None
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                if not t.is_meta:  # meta parameters are materialised identically on every rank
+                # meta parameters are materialised identically on every rank; released ZeRO-3 ones are
+                # consistent already (their shards are)
+                if not t.is_meta and t.untyped_storage().nbytes() > 0:
                     C.broadcast(t.data, 0, group)
 
     @override
@@ -327,6 +341,7 @@ class ZeroStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
+        engine.reduce_gradients = compressed_comm.gradient_allreduce_needed(engine.optimizer)
         result = closure()
         precision = self.precision_plugin
         precision._after_closure(model, optimizer)
@@ -454,7 +469,7 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._engines.get(id(optimizer))
         if engine is None:
             return optimizer.state_dict()
-        return zsd.gather_optimizer_state(engine)
+        return compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -465,6 +480,7 @@ class ZeroStrategy(ParallelStrategy):
                 opt.load_state_dict(state)
             else:
                 zsd.load_optimizer_state(engine, state)
+                compressed_comm.restore_comm_state(opt, state)
 
     # ------------------------------------------------------------------ teardown / registry
     @override

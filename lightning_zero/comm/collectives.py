@@ -126,6 +126,23 @@ def recv(tensor: Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> 
     dist.recv(tensor, src=global_rank_of(group, src_group_rank), group=group)
 
 
+def send_recv(
+    sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: Optional[ProcessGroup]
+) -> None:
+    """Post every ``(tensor, peer group rank)`` send and receive at once, then wait for all of them.
+
+    One ``batch_isend_irecv`` (one NCCL group call): sends and receives between the same two ranks
+    then progress together instead of queueing behind each other on the pair's stream, which is how
+    pipeline stages exchange activations and gradients without deadlock (pipeline/schedule.py).
+    """
+    ops = [dist.P2POp(dist.isend, t, global_rank_of(group, p), group) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, t, global_rank_of(group, p), group) for t, p in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
 def barrier(group: Optional[ProcessGroup] = None, device_ids: Optional[list[int]] = None) -> None:
     if _single(group):
         return

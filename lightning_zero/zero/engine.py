@@ -85,6 +85,9 @@ class ZeroEngine:
         self.param_names = param_names or {}
         self.grad_norm: Optional[float] = None
         self.require_sync = True
+        self.reduce_gradients = True
+        """False while a compressed optimizer averages momentum itself: gradients stay local (stage 0
+        only; see lightning_zero/comm/compressed/protocol.py). Set by the strategy before each step."""
         self.groups: list[FlatParamGroup] = []
         self.original_params: list[list[Parameter]] = []
         """Each param group's parameters as the user gave them (torch's state-dict numbering)."""
@@ -128,6 +131,8 @@ class ZeroEngine:
             layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
             fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device)
             pg["params"] = [fg.master]
+            if hasattr(self.optimizer, "bind_flat_params"):  # tensor boundaries for per-tensor math (1-bit LAMB)
+                self.optimizer.bind_flat_params(fg.master, [(s.offset, s.numel) for s in layout.slots], num_shards > 1)
             self.groups.append(fg)
 
     def _setup_grad_storage(self) -> None:
@@ -169,7 +174,7 @@ class ZeroEngine:
     @property
     def _syncing(self) -> bool:
         """Reduce in this backward? Engines without full gradients must, even while accumulating."""
-        return self.require_sync or not self.keeps_full_grad
+        return self.reduce_gradients and (self.require_sync or not self.keeps_full_grad)
 
     def _fresh_backward_state(self) -> _BackwardState:
         missing = {}
@@ -223,10 +228,11 @@ class ZeroEngine:
         for g in grads:
             if g.numel():
                 sq += g.float().pow(2).sum()
-        groups = ([self.dp_group] if self._grads_are_sharded else []) + self.norm_groups
+        local = not self.reduce_gradients  # un-averaged local gradients: use the mean of the ranks' squares
+        groups = ([self.dp_group] if self._grads_are_sharded or local else []) + self.norm_groups
         for grp in groups:
             C.all_reduce(sq, grp, "sum")
-        return sq
+        return sq / self.dp_size if local else sq
 
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None) -> bool:
         """Unscale, clip by the global norm, step the master shard, write back. False when skipped."""

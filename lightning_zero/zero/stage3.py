@@ -102,12 +102,8 @@ class Stage3Engine(Stage2Engine):
             for gi, fg in enumerate(self.groups)
             for si, slot in enumerate(fg.layout.slots)
         }
-        self._module_hooks = []
-        for unit in self.units[1:]:
-            assert unit.module is not None
-            if unit.buckets:
-                self._module_hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-                self._module_hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        self._module_hooks: list = []
+        self.install_module_hooks()
         for unit in self.units:
             if unit.persistent:
                 self.gather(unit)
@@ -284,11 +280,35 @@ class Stage3Engine(Stage2Engine):
         """Masters were overwritten (checkpoint load): refresh the 16-bit shards and persistent units."""
         self._write_back()
 
+    def install_module_hooks(self) -> None:
+        """Forward pre/post hooks on every unit (again after ``remove_hooks``, for validate/test/predict)."""
+        if self._module_hooks:
+            return
+        for unit in self.units[1:]:
+            assert unit.module is not None
+            if unit.buckets:
+                self._module_hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                self._module_hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
     def remove_hooks(self) -> None:
         super().remove_hooks()
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
+
+    def unshard_to_plain(self) -> None:
+        """Give every parameter its own full storage again (from the fp32 masters), e.g. before a new
+        engine is built for a second ``fit``. Collective; costs the full model's memory."""
+        from lightning_zero.zero.state_dict import gather_flat
+
+        self.remove_hooks()
+        for fg in self.groups:
+            full = gather_flat(self, fg, fg.master)
+            for slot in fg.layout.slots:
+                p = fg.params[slot.index]
+                p.data = full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone()
+        self._gathered.clear()
+        self._pending.clear()
 
 
 def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:

@@ -1,0 +1,81 @@
+"""ZeRO-3 in one process: user-facing behaviour around partitioned parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.model_summary import ModelSummary
+
+from lightning_zero import ZeroStrategy
+from tests.helpers.parity_model import Block, ParityNet, RandomTokens
+
+
+def _trainer(**strategy_kw) -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0,
+        strategy=ZeroStrategy(stage=3, param_persistence_threshold=0, **strategy_kw),
+    )
+
+
+def _plain_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_fit_then_summary_state_dict_gather_and_eval() -> None:
+    torch.manual_seed(0)
+    model = ParityNet()
+    count = _plain_count(model)
+    trainer = _trainer()
+    trainer.fit(model)
+    # the sharded model still reports true shapes
+    assert ModelSummary(model).total_parameters == count
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.blocks.parameters())
+    # full weights come out as a plain state dict a plain model loads
+    state = trainer.strategy.lightning_module_state_dict()
+    plain = ParityNet()
+    plain.load_state_dict(state)
+    x, _ = RandomTokens(4)[0]
+    plain.eval()
+    model.eval()
+    with torch.no_grad():
+        expected = plain(x[None])
+        # calling the partitioned model outside the strategy is a clear error ...
+        with pytest.raises(RuntimeError, match="partitioned by ZeRO stage 3"):
+            model(x[None])
+        # ... and works inside gathered_params
+        with trainer.strategy.gathered_params():
+            got = model(x[None])
+    torch.testing.assert_close(got, expected)
+    # validate/test/predict after fit gather unit by unit again
+    result = trainer.validate(model, verbose=False)
+    assert result and "val_loss" in result[0]
+
+
+def test_unit_policy_matching_nothing() -> None:
+    with pytest.raises(ValueError, match="matches no module.*Block"):
+        _trainer(unit_policy=["Transformer*Layer"]).fit(ParityNet())
+
+
+def test_unit_policy_by_class_name_trains() -> None:
+    model = ParityNet()
+    trainer = _trainer(unit_policy=["Block", "LayerNorm"])
+    trainer.fit(model)
+    names = [u.name for u in trainer.strategy.engines[0].units]
+    assert "blocks.0" in names and "norm" in names and "blocks.0.norm" not in names  # outermost only
+
+
+class InPlaceBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.up.weight.mul_(1.0)  # in place, outside the optimizer
+        return super().forward(x)
+
+
+def test_in_place_modification_outside_the_optimizer_is_an_error() -> None:
+    model = ParityNet(checkpointing=False)
+    model.blocks[0] = InPlaceBlock(model.blocks[0].norm.normalized_shape[0])
+    with pytest.raises(RuntimeError, match="modified in place outside the optimizer"):
+        _trainer().fit(model)
