@@ -3,7 +3,7 @@
 ``python -m lightning_zero.ops report`` shows what is available here and why
 not; ``python -m lightning_zero.ops build`` prebuilds everything compatible.
 Every op has a fallback, so a missing compiler only costs speed, never an
-import error.
+import error. See [Note: op build cache] in ``builder.py``.
 """
 
 from __future__ import annotations
@@ -16,31 +16,8 @@ from lightning_zero.ops.builder import (
     OpStatus,
     OpUnavailableError,
 )
-from lightning_zero.ops.cpu_adam import CPUAdamBuilder
-from lightning_zero.ops.fused_adam import FusedAdamBuilder
-from lightning_zero.ops.fused_lamb import FusedLambBuilder
-from lightning_zero.ops.sign_pack_builders import SignPackCPUBuilder, SignPackCUDABuilder
-
-#: One builder instance per op; each holds that op's build cache (the only mutable state).
-OPS: dict[str, OpBuilder] = {
-    builder.name: builder
-    for builder in (
-        CPUAdamBuilder(),
-        FusedAdamBuilder(),
-        FusedLambBuilder(),
-        SignPackCPUBuilder(),
-        SignPackCUDABuilder(),
-    )
-}
-
-
-def get_op(name: str) -> OpBuilder:
-    """The builder of op ``name`` (see ``OPS``)."""
-    try:
-        return OPS[name]
-    except KeyError:
-        raise KeyError(f"unknown op {name!r}; known: {sorted(OPS)}") from None
-
+from lightning_zero.ops.registry import OPS, get_op
+from lightning_zero.ops.sign_pack import pack_signs, unpack_signs
 
 __all__ = [
     "ENV_BUILD_DIR",
@@ -51,4 +28,6 @@ __all__ = [
     "OpStatus",
     "OpUnavailableError",
     "get_op",
+    "pack_signs",
+    "unpack_signs",
 ]

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_zero.ops import get_op
+from lightning_zero.ops.registry import get_op
 from lightning_zero.optim._common import adam_state, align, all_params, check_group, grad_of
 from lightning_zero.optim.torch_adam import torch_adam_step
 

@@ -1,0 +1,44 @@
+"""``python -m lightning_zero.ops report|build [--ops a,b] [--verbose]``.
+
+report: the toolchain, then a table of every op (compatible, built, where
+from, why not); it never compiles anything. build: JIT-build every compatible
+op now (e.g. in a Docker image), so that later runs need no compiler and can
+set LIGHTNING_ZERO_DISABLE_JIT=1; exits 1 if a compatible op fails to build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lightning_zero.ops.registry import OPS
+from lightning_zero.ops.report import build_all, environment_lines, render_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_zero.ops", description=__doc__.split("\n")[0])
+    parser.add_argument("command", choices=["report", "build"])
+    parser.add_argument("--ops", default="", help="comma-separated op names (default: all)")
+    parser.add_argument("--verbose", action="store_true", help="show compiler commands and output")
+    args = parser.parse_args(argv)
+    names = [n for n in args.ops.split(",") if n] or list(OPS)
+    unknown = sorted(set(names) - set(OPS))
+    if unknown:
+        parser.error(f"unknown ops {unknown}; known: {sorted(OPS)}")
+    ops = [OPS[n] for n in names]
+    for line in environment_lines():
+        print(line)
+    print()
+    if args.command == "build":
+        results = build_all(ops, verbose=args.verbose)
+        for name, outcome in results:
+            print(f"{name}: {outcome}")
+        print()
+        print(render_table([op.status() for op in ops]))
+        return 1 if any(outcome.startswith("FAILED") for _, outcome in results) else 0
+    print(render_table([op.status() for op in ops]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
