@@ -256,6 +256,23 @@ class GPTModule(L.LightningModule):
         self.flops_per_token = flops_per_token(self.config)
         self.model = self._build_model()
 
+    def zero_init_module(self, module: nn.Module) -> None:
+        """GPT-2 initialisation of one module, for ZeRO-3's sharded construction.
+
+        ZeRO-3 materialises a ``configure_model``-built network one unit at a time and calls this hook
+        for each module it materialises (after the module's own ``reset_parameters``), so the result
+        matches :meth:`GPT.reset_parameters` without the whole model ever existing on one rank.
+        """
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            return
+        std = 0.02
+        blocks = getattr(self.model, "blocks", None) or []
+        if any(module is b.attn.proj or module is b.mlp.proj for b in blocks):
+            std /= math.sqrt(2 * self.config.n_layer)
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
     def _build_model(self) -> GPT:
         """The one place the network is constructed (a ZeRO-3 issue will call it from configure_model)."""
         return GPT(self.config)

@@ -1,0 +1,359 @@
+"""lightning_zero against Lightning's own strategies and DeepSpeed, side by side, in one run.
+
+Trains the GPT-1.3B workload of issues 2 and 3 (``conf/model/gpt_1b.yaml``, micro-batch 8 per GPU,
+seq 1024, ``bf16-mixed``, torch AdamW(fused=True)) for a few steps under each configuration and
+prints a markdown table: tokens/s, ratio to the baseline (``single`` on 1 GPU, ``ddp`` on 2),
+TFLOP/s and MFU per GPU, peak memory per GPU, then the issues' targets as PASS/FAIL.
+
+    python3 benchmarks/peers.py --gpus 1                     # single zero{1,2,3} fsdp deepspeed_stage_{2,3}
+    python3 benchmarks/peers.py --gpus 2 --write-results     # ddp zero{1,2,3} fsdp deepspeed_stage_{2,3}
+    python3 benchmarks/peers.py --gpus 1 --configs single,zero2 --steps 20 --warmup 5
+    python3 benchmarks/peers.py --device cpu --model tiny --gpus 2 --configs ddp,zero2 --steps 3 --warmup 1
+    python3 benchmarks/peers.py --from-results runs/peers/<run>/results.jsonl   # re-render a run's table
+
+Why one process tree per configuration: CUDA's caching allocator, NCCL communicators, cuBLAS
+workspaces and DeepSpeed's global state would otherwise carry from one peer into the next one's
+memory and speed. One GPU: ``python peers_worker.py``; N GPUs: ``python -m torch.distributed.run
+--standalone --nproc-per-node N peers_worker.py`` (the engine users run; Lightning sees torchrun and
+starts no processes of its own). This parent never imports torch, so it holds no CUDA context.
+
+A configuration that fails (OOM, DeepSpeed not importable, ``ZeroStrategy(stage=3)`` not built yet,
+a hang past ``--config-timeout-s``) becomes a row with the reason; the run goes on. ``--budget-s``
+bounds the whole run (the GPU machine's 10-minute command limit): configurations that no longer fit
+are listed as skipped, and the table is always printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from peers_report import append_section, read_records, render_section  # noqa: E402
+from presets import PEERS, baseline, default_peers, model_label, model_preset  # noqa: E402
+
+WORKER = HERE / "peers_worker.py"
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+"""NVLink multicast stays off in every process we start (the lent machines' rule: it can take the host's
+shared GPUs out of service)."""
+ERROR_LINE = re.compile(r"\b([A-Za-z_.]*(Error|Exception|Interrupt)\b:?.*)")
+
+
+# ---------------------------------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (CPU processes with --device cpu) per configuration")
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {sorted(PEERS)}")
+    p.add_argument("--model", default="gpt_1b", help="conf/model preset (gpt_1b, gpt_small, gpt_tiny/tiny) or a YAML")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per GPU per step")
+    p.add_argument("--steps", type=int, default=15, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode with gloo")
+    p.add_argument("--config-timeout-s", type=float, default=180.0, help="kill a configuration after this long")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
+    p.add_argument("--min-config-s", type=float, default=40.0, help="don't start a configuration with less left")
+    p.add_argument("--out-dir", type=Path, default=None, help="results.jsonl, per-config logs, table.md")
+    p.add_argument("--write-results", action="store_true", help="append a dated section to --results-md")
+    p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--from-results", type=Path, default=None, help="only re-render the table of a results.jsonl")
+    args = p.parse_args(argv)
+    if args.gpus < 1 or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
+        p.error("--gpus, --steps and --micro-batch must be >= 1 and --warmup >= 0")
+    names = args.configs.split(",") if args.configs else default_peers(args.gpus)
+    unknown = [n for n in names if n not in PEERS]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; valid ones are {sorted(PEERS)}")
+    args.config_names = names
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------- environment
+
+
+def nvidia_smi(field: str) -> Optional[str]:
+    """One property of GPU 0 from nvidia-smi (no CUDA context in this process), or None."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.strip().splitlines()
+    return first[0].strip() if first else None
+
+
+def dist_version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def child_env(args: argparse.Namespace, family: str) -> dict[str, str]:
+    """The environment of one configuration's processes."""
+    env = dict(os.environ)
+    env.update(SAFE_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.gpus)))
+    if family == "deepspeed" and args.device == "cuda":
+        # DeepSpeed's JIT op builder rejects the machine's default TORCH_CUDA_ARCH_LIST ("9.0a").
+        env["TORCH_CUDA_ARCH_LIST"] = nvidia_smi("compute_cap") or "9.0"
+    return env
+
+
+def worker_cmd(args: argparse.Namespace, config: str, results: Path, fused: bool) -> list[str]:
+    """python (1 process) or torchrun (N processes) on peers_worker.py."""
+    launch = [sys.executable]
+    if args.gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    cmd = launch + [
+        str(WORKER), "--config", config, "--model", args.model, "--micro-batch", str(args.micro_batch),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+        "--devices", str(args.gpus), "--results-file", str(results),
+    ]
+    return cmd + ([] if fused else ["--no-fused"])
+
+
+# ---------------------------------------------------------------------------------------------------- children
+
+
+@dataclass
+class ChildResult:
+    returncode: Optional[int]
+    timed_out: bool
+    seconds: float
+    tail: list[str]
+
+
+def _pump(stream, prefix: str, log, tail: deque) -> None:  # type: ignore[no-untyped-def]
+    """Copy a child's output to our stdout (prefixed) and its log, keeping the tail for error reasons."""
+    for line in iter(stream.readline, ""):
+        log.write(line)
+        tail.append(line.rstrip("\n"))
+        sys.stdout.write(f"{prefix}{line}")
+        sys.stdout.flush()
+    stream.close()
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL, to the child's own process group (it was started in a new session).
+
+    torchrun answers SIGTERM by stopping its workers (SIGTERM, then SIGKILL after 30 s), so it gets
+    that long before it is killed itself; workers it leaves behind are caught by :func:`reap_workers`.
+    """
+    for sig, wait in ((signal.SIGTERM, 45.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def reap_workers(pid_file: Path) -> list[int]:
+    """SIGKILL any worker of ours still alive after its launcher ended; returns the pids killed.
+
+    torchrun starts each worker in a session of its own, so a worker hung in a collective survives
+    its launcher's death, and on the GPU machine it would hold GPU memory through every later
+    configuration. Workers write their pid to ``pid_file``; each is checked to still be a
+    ``peers_worker.py`` before it is killed (no pid reuse accidents).
+    """
+    killed: list[int] = []
+    if not pid_file.is_file():
+        return killed
+    for text in pid_file.read_text().split():
+        pid = int(text)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if WORKER.name.encode() in cmdline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float, prefix: str) -> ChildResult:
+    tail: deque = deque(maxlen=80)
+    start = time.monotonic()
+    with log_path.open("a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            errors="replace", bufsize=1, start_new_session=True,
+        )
+        pump = threading.Thread(target=_pump, args=(proc.stdout, prefix, log, tail), daemon=True)
+        pump.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_tree(proc)
+        pump.join(timeout=10)
+    return ChildResult(proc.returncode, timed_out, time.monotonic() - start, list(tail))
+
+
+def reason_from_tail(result: ChildResult) -> str:
+    """The last exception line a dead child printed, else its exit code."""
+    if result.timed_out:
+        return f"timed out after {result.seconds:.0f} s (killed)"
+    for line in reversed(result.tail):
+        m = ERROR_LINE.search(line)
+        if m and "Traceback" not in line:
+            return m.group(1).strip()[:300]
+    return f"exit code {result.returncode}"
+
+
+# ---------------------------------------------------------------------------------------------------- one config
+
+
+def _note(results: Path, config: str, attempt: int, **fields: object) -> None:
+    with results.open("a") as fh:
+        fh.write(json.dumps({"config": config, "attempt": attempt, **fields}) + "\n")
+
+
+def _attempt_failed_on_fused(results: Path, config: str, attempt: int, result: ChildResult) -> bool:
+    """Whether the attempt's recorded reasons (or its last exception line) blame the fused optimizer."""
+    reasons = [
+        str(r.get("reason", "")) for r in read_records(results)
+        if r.get("config") == config and r.get("attempt", 0) == attempt
+    ]
+    return "fused" in " ".join(reasons + [reason_from_tail(result)]).lower()
+
+
+def run_config(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float]) -> None:
+    """Run one configuration (retrying without fused AdamW if that is what failed); record every outcome."""
+    family = PEERS[config]
+    if family == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        _note(results, config, 0, kind="error", status="skipped", rank=0, reason="deepspeed is not installed")
+        return
+    for attempt, fused in enumerate((True, False)):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < args.min_config_s:
+            if attempt == 0:  # a retry that no longer fits leaves the first attempt's failure as the row
+                _note(results, config, attempt, kind="error", status="skipped", rank=0,
+                      reason=f"out of time budget ({max(0.0, left):.0f} s left)")
+            return
+        timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
+        # Each attempt's records carry its number: the worker does not know it, so use a file per attempt
+        # and merge, tagging lines as they are copied.
+        attempt_file = out_dir / f"{config}.attempt{attempt}.jsonl"
+        attempt_file.unlink(missing_ok=True)
+        attempt_file.with_suffix(".pids").unlink(missing_ok=True)
+        print(f"==> {config} (attempt {attempt + 1}, {'fused' if fused else 'plain'} AdamW, timeout {timeout:.0f} s)")
+        result = run_child(
+            worker_cmd(args, config, attempt_file, fused), child_env(args, family),
+            out_dir / f"{config}.log", timeout, prefix=f"[{config}] ",
+        )
+        killed = reap_workers(attempt_file.with_suffix(".pids"))
+        if killed:
+            print(f"... {config}: killed leftover worker processes {killed}")
+        records = read_records(attempt_file)
+        with results.open("a") as fh:
+            for r in records:
+                fh.write(json.dumps({**r, "attempt": attempt}) + "\n")
+        if not records or result.timed_out:
+            _note(results, config, attempt, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
+        elif result.returncode not in (0, None) and not any(r.get("kind") == "error" for r in records):
+            _note(results, config, attempt, kind="note", note=f"exit code {result.returncode} after recording")
+        ok = result.returncode == 0 and not result.timed_out
+        print(f"<== {config}: {'ok' if ok else 'failed'} in {result.seconds:.0f} s")
+        if ok or not fused or not _attempt_failed_on_fused(results, config, attempt, result):
+            return
+        print(f"... {config}: the failure mentions 'fused'; retrying with plain AdamW")
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def meta(args: argparse.Namespace, command: str) -> dict[str, object]:
+    """Everything the table's header needs that no child reports (the children report versions too)."""
+    return {
+        "kind": "meta",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpus": args.gpus,
+        "device_type": args.device,
+        "device_name": nvidia_smi("name") if args.device == "cuda" else platform.machine(),
+        "configs": args.config_names,
+        "baseline": baseline(args.gpus),
+        "model": {"name": model_label(args.model), "dims": model_preset(args.model)},
+        "micro_batch": args.micro_batch,
+        "precision": "bf16-mixed",
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "command": command,
+        "reference_comparable": model_label(args.model) == "gpt_1b" and args.micro_batch == 8 and args.device == "cuda",
+        "versions": {
+            **{k: dist_version(k) for k in ("torch", "lightning", "deepspeed")},
+            "lightning_zero": dist_version("lightning-zero"),
+            "python": platform.python_version(),
+        },
+    }
+
+
+def finish(records_path: Path, args: argparse.Namespace, out_dir: Optional[Path]) -> str:
+    section = render_section(read_records(records_path))
+    print("\n" + section)
+    if out_dir is not None:
+        (out_dir / "table.md").write_text(section)
+    if args.write_results:
+        append_section(args.results_md, section)
+        print(f"appended to {args.results_md}")
+    return section
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.from_results is not None:
+        finish(args.from_results, args, None)
+        return 0
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out_dir or REPO / "runs" / "peers" / f"{stamp}-{args.gpus}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = out_dir / "results.jsonl"
+    results.unlink(missing_ok=True)
+    command = shlex.join(["python3", os.path.relpath(sys.argv[0], REPO) if argv is None else "benchmarks/peers.py",
+                          *(sys.argv[1:] if argv is None else argv)])
+    with results.open("a") as fh:
+        fh.write(json.dumps(meta(args, command)) + "\n")
+    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
+    print(f"peers: {args.config_names} on {args.gpus} {args.device} device(s); results in {out_dir}")
+    for config in args.config_names:
+        run_config(args, config, results, out_dir, deadline)
+    finish(results, args, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

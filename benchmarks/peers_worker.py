@@ -1,0 +1,429 @@
+"""One benchmark configuration, in its own process (or torchrun group): build, train N steps, time them.
+
+Started by ``benchmarks/peers.py``, one process tree per configuration, so that CUDA memory, the
+caching allocator, NCCL communicators and DeepSpeed's JIT state never leak from one peer into the
+next one's numbers. Each rank appends exactly one JSON line to ``--results-file``:
+
+* ``{"kind": "rank", ...}``: the timed steps, peak memory and versions of that rank;
+* ``{"kind": "error", "status": "skipped" | "failed", "reason": ...}``: when the strategy cannot be
+  built (e.g. ``ZeroStrategy(stage=3)`` not implemented yet, DeepSpeed not installed) or training
+  raised (e.g. CUDA OOM). The parent turns these into table rows; a failing configuration never
+  aborts the whole benchmark.
+
+Run by hand only for debugging, e.g.::
+
+    python benchmarks/peers_worker.py --config zero2 --model gpt_tiny --device cpu --results-file /tmp/r.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+REPO = Path(__file__).resolve().parent.parent
+for _p in (REPO, REPO / "examples"):  # `import lightning_zero` from the checkout; `gpt`/`data` from examples/
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.strategies import Strategy  # noqa: E402
+from typing_extensions import override  # noqa: E402
+
+from presets import PEERS, model_preset  # noqa: E402
+
+PRECISION = "bf16-mixed"
+"""Every configuration trains in bf16 mixed precision (each strategy's own meaning of it)."""
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """How to build one benchmarked strategy, and how to construct the model under it."""
+
+    name: str
+    """Row label in the table; also the ``--configs`` name."""
+    build: Callable[[argparse.Namespace], Union[str, Strategy]]
+    """Worker arguments -> the ``Trainer(strategy=...)`` argument. May raise NotImplementedError/ValueError,
+    which marks the configuration 'skipped' (not 'failed')."""
+    build_in: str = "init_module"
+    """Where the network is constructed, each peer's documented path for a large model:
+    'init_module': in ``GPTModule.__init__`` under ``trainer.init_module(empty_init=...)`` (straight on
+    the device for single/ddp/zero0-2; on the meta device for FSDP, see ``empty_init_on_cuda``);
+    'configure_model': in ``LightningModule.configure_model``, inside the strategy's
+    ``model_sharded_context`` (DeepSpeed stage 3: ``deepspeed.zero.Init``; lightning_zero stage 3:
+    sharded initialisation), so no rank ever holds the whole model."""
+    empty_init_on_cuda: Optional[bool] = None
+    """``trainer.init_module(empty_init=...)`` on CUDA when ``build_in == 'init_module'``. None lets the
+    strategy decide; True builds on the meta device (FSDP then materialises and initialises block by
+    block on the GPU as it wraps: Lightning's recommended path, and far faster than a 1.3B CPU init)."""
+    single_device_only: bool = False
+    """Plain Lightning 'auto' is a single-device run: refuse it in a multi-process launch."""
+
+
+def _single(args: argparse.Namespace) -> str:
+    return "auto"
+
+
+def _ddp(args: argparse.Namespace) -> str:
+    return "ddp"
+
+
+def _fsdp(args: argparse.Namespace) -> Strategy:
+    """Lightning's FSDP, FULL_SHARD, one FSDP unit per transformer block (Lightning's recommended setup)."""
+    from gpt import Block
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
+
+
+def _deepspeed(stage: int) -> Callable[[argparse.Namespace], Strategy]:
+    """Lightning's ``deepspeed_stage_N`` preset. It keeps our torch AdamW(fused=True) as DeepSpeed's
+    client optimizer (``zero_allow_untested_optimizer`` is on by default), so no op needs a JIT build.
+    The logging batch size is given, not inferred from a dataloader Lightning would build early."""
+
+    def build(args: argparse.Namespace) -> Strategy:
+        import deepspeed  # noqa: F401  (fail here, with DeepSpeed's own message, if it cannot be imported)
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        return DeepSpeedStrategy(stage=stage, logging_batch_size_per_gpu=args.micro_batch)
+
+    return build
+
+
+def _zero(stage: int) -> Callable[[argparse.Namespace], Strategy]:
+    def build(args: argparse.Namespace) -> Strategy:
+        from lightning_zero import ZeroStrategy
+
+        return ZeroStrategy(stage=stage)
+
+    return build
+
+
+CONFIGS: dict[str, PeerConfig] = {
+    c.name: c
+    for c in (
+        PeerConfig("single", _single, single_device_only=True),
+        PeerConfig("ddp", _ddp),
+        PeerConfig("fsdp", _fsdp, empty_init_on_cuda=True),
+        PeerConfig("deepspeed_stage_2", _deepspeed(2)),
+        PeerConfig("deepspeed_stage_3", _deepspeed(3), build_in="configure_model"),
+        PeerConfig("zero0", _zero(0)),
+        PeerConfig("zero1", _zero(1)),
+        PeerConfig("zero2", _zero(2)),
+        PeerConfig("zero3", _zero(3), build_in="configure_model"),
+    )
+}
+"""How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""
+assert set(CONFIGS) == set(PEERS), "presets.PEERS and peers_worker.CONFIGS must name the same configurations"
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+
+
+class StepTimer(Callback):
+    """Wall time per training step with the device synchronised at each step boundary.
+
+    [Note: what a step is] A step is the time between the synchronised ends of two consecutive
+    training batches: data fetch, host-to-device copy, forward, backward, every collective the
+    strategy issues (also ones it defers to the next batch's start) and the optimizer step. Its inner
+    part, batch start to batch end, is recorded as well. The first ``warmup`` steps (allocator growth,
+    cuBLAS heuristics, NCCL communicator set-up, DeepSpeed's first-step bookkeeping) are dropped.
+    One synchronisation per step costs nothing measurable at ~100 ms steps and makes each step's
+    time its own.
+    """
+
+    def __init__(self, warmup: int) -> None:
+        super().__init__()
+        self.warmup = warmup
+        self.steps_seen = 0
+        self.step_times: list[float] = []
+        self.inner_times: list[float] = []
+        self.tokens_per_step = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.last_loss: Optional[torch.Tensor] = None
+        self._device: Optional[torch.device] = None
+        self._last_end: Optional[float] = None
+        self._start = 0.0
+
+    def _now(self) -> float:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._device = trainer.strategy.root_device
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = self._now()
+        if self._last_end is None:
+            self._last_end = self._start
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        end = self._now()
+        if self.steps_seen >= self.warmup:
+            assert self._last_end is not None
+            self.step_times.append(end - self._last_end)
+            self.inner_times.append(end - self._start)
+        self._last_end = end
+        self.steps_seen += 1
+        self.tokens_per_step = int(batch[0].numel())
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.last_loss = loss.detach()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            self.peak_allocated = torch.cuda.max_memory_allocated(self._device)
+            self.peak_reserved = torch.cuda.max_memory_reserved(self._device)
+
+
+# ---------------------------------------------------------------------------------------------------- records
+
+
+def _rank() -> int:
+    """Global rank before (or without) a Trainer: torchrun's RANK, else 0."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """One JSON line, one write(2) on an O_APPEND file: lines from concurrent ranks never interleave."""
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def _version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, Optional[str]]:
+    """Versions of everything that shapes the numbers (metadata only: importing DeepSpeed is slow)."""
+    import lightning
+
+    import lightning_zero
+
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "lightning": lightning.__version__,
+        "deepspeed": _version("deepspeed"),
+        "lightning_zero": lightning_zero.__version__,
+        "python": sys.version.split()[0],
+    }
+
+
+def short_reason(exc: BaseException) -> str:
+    """One line for the table: exception type and the first line of its message, capped."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def device_info(device: torch.device) -> tuple[str, Optional[float]]:
+    """Device name for the table and its peak dense bf16 FLOP/s (for MFU), from lightning_zero's table."""
+    if device.type != "cuda":
+        import platform
+
+        return (platform.processor() or platform.machine() or "cpu"), None
+    from lightning_zero.logging.metrics import peak_bf16_flops
+
+    name = torch.cuda.get_device_name(device)
+    return name, peak_bf16_flops(name)
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+
+def count_params(cfg: Any) -> int:
+    """Parameters of the network, counted on the meta device (exact, free, and independent of how a
+    strategy has sharded or flattened the real ones)."""
+    from gpt import GPT
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def build_module(spec: PeerConfig, args: argparse.Namespace, trainer: Trainer, cfg: Any) -> LightningModule:
+    """The GPTModule, constructed where ``spec.build_in`` says (see :class:`PeerConfig`)."""
+    from gpt import GPT, GPTModule
+
+    kwargs = {"fused": None if args.no_fused else True, "max_steps": args.warmup + args.steps}
+    if spec.build_in == "init_module":
+        empty_init = spec.empty_init_on_cuda if args.device == "cuda" else None
+        with trainer.init_module(empty_init=empty_init):
+            return GPTModule(cfg, **kwargs)
+
+    class DeferredGPTModule(GPTModule):
+        """GPTModule whose network is built in ``configure_model`` (sharded initialisation)."""
+
+        @override
+        def _build_model(self) -> Any:
+            return None  # __init__ builds nothing; configure_model does
+
+        @override
+        def configure_model(self) -> None:
+            super().configure_model()  # a GPTModule that builds there itself keeps doing so
+            if getattr(self, "model", None) is None:
+                self.model = GPT(self.config)
+
+    return DeferredGPTModule(cfg, **kwargs)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+    p.add_argument("--model", default="gpt_1b", help="conf/model preset name or a YAML path")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=15, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--devices", type=int, default=1, help="processes (GPUs) in this run")
+    p.add_argument("--no-fused", action="store_true", help="torch AdamW without fused=True")
+    p.add_argument("--results-file", type=Path, required=True)
+    return p.parse_args(argv)
+
+
+def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], timer: StepTimer) -> Trainer:
+    """A Trainer that does nothing but train: no validation, checkpoints, logger, progress bar or summary."""
+    return L.Trainer(
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=args.devices,
+        num_nodes=1,
+        strategy=strategy,
+        precision=PRECISION,
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=None,
+        callbacks=[timer],
+    )
+
+
+def rank_record(args: argparse.Namespace, trainer: Trainer, model: Any, timer: StepTimer, n_params: int) -> dict:
+    """What the parent needs from one rank to build its row."""
+    name, peak = device_info(trainer.strategy.root_device)
+    peak_mem = timer.peak_allocated
+    if args.device != "cuda":
+        from lightning_zero.logging.metrics import peak_host_rss_bytes
+
+        peak_mem = peak_host_rss_bytes() or 0
+    return {
+        "kind": "rank",
+        "config": args.config,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "device_type": args.device,
+        "device_name": name,
+        "peak_flops": peak,
+        "step_times_s": timer.step_times,
+        "inner_times_s": timer.inner_times,
+        "tokens_per_step_local": timer.tokens_per_step,
+        "peak_mem_bytes": peak_mem,
+        "peak_reserved_bytes": timer.peak_reserved,
+        "final_loss": float(timer.last_loss) if timer.last_loss is not None else None,
+        "fused": not args.no_fused,
+        "flops_per_token": float(model.flops_per_token),
+        "n_params": n_params,
+        "versions": versions(),
+        "micro_batch": args.micro_batch,
+        "strategy_class": type(trainer.strategy).__name__,
+    }
+
+
+def _shutdown_process_group() -> None:
+    """Tear NCCL down explicitly: exiting with a live communicator can hang or print warnings at exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # the numbers are recorded already; never fail the run on teardown
+            print(f"destroy_process_group failed: {short_reason(exc)}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    from data import TextDataModule
+    from gpt import GPTConfig
+
+    spec = CONFIGS[args.config]
+    base = {"kind": "error", "config": args.config, "rank": _rank()}
+    if spec.single_device_only and args.devices != 1:
+        append_record(args.results_file, {**base, "status": "skipped", "reason": "single-device run (use 1 GPU)"})
+        return 0
+    try:
+        strategy = spec.build(args)
+    except (NotImplementedError, ValueError) as exc:
+        append_record(args.results_file, {**base, "status": "skipped", "reason": short_reason(exc)})
+        return 0
+    except Exception as exc:  # e.g. `import deepspeed` failing on this machine
+        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
+        return 1
+
+    try:
+        L.seed_everything(0, verbose=False)
+        torch.set_float32_matmul_precision("high")
+        cfg = GPTConfig(**model_preset(args.model))
+        timer = StepTimer(args.warmup)
+        trainer = build_trainer(args, strategy, timer)
+        model = build_module(spec, args, trainer, cfg)
+        data = TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch)
+        trainer.fit(model, datamodule=data)
+        if len(timer.step_times) < args.steps:
+            raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran (too little data?)")
+        append_record(args.results_file, rank_record(args, trainer, model, timer, count_params(cfg)))
+        _shutdown_process_group()
+    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        traceback.print_exc()
+        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
+        return 1
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
+    args = parse_args(argv)
+    # peers.py kills workers that outlive their launcher (torchrun puts each in its own session).
+    with args.results_file.with_suffix(".pids").open("a") as fh:
+        fh.write(f"{os.getpid()}\n")
+    code = run(args)
+    sys.stdout.flush()
+    return code
+
+
+__all__ = ["CONFIGS", "PeerConfig", "StepTimer", "append_record", "run", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
