@@ -136,7 +136,11 @@ def test_grad_scaler_integration_matches_torch_fused(fused_adam_op) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(DEV)
     twin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(DEV)
     twin.load_state_dict(model.state_dict())
-    opts = [FusedAdam(model.parameters(), lr=1e-3), torch.optim.AdamW(twin.parameters(), lr=1e-3, fused=True)]
+    # explicit weight decay: torch's AdamW defaults to 1e-2, FusedAdam (like Adam) to 0
+    opts = [
+        FusedAdam(model.parameters(), lr=1e-3, weight_decay=1e-2),
+        torch.optim.AdamW(twin.parameters(), lr=1e-3, weight_decay=1e-2, fused=True),
+    ]
     scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10), torch.amp.GradScaler("cuda", init_scale=2.0**10)]
     for it in range(6):
         x = torch.randn(16, 64, device=DEV)
