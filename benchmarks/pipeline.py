@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
+import math
 import os
 import sys
 import time
@@ -64,6 +65,20 @@ class Embeddings(nn.Module):
         return self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
 
 
+class GPT2Block(Block):
+    """examples/gpt.py's Block with GPT-2's initialisation (GPT.reset_parameters does it for the whole model)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        for proj in (self.attn.proj, self.mlp.proj):
+            nn.init.normal_(proj.weight, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
 def lm_head(emb: Embeddings, h: torch.Tensor) -> torch.Tensor:
     return F.linear(h, emb.wte.weight)
 
@@ -71,7 +86,7 @@ def lm_head(emb: Embeddings, h: torch.Tensor) -> torch.Tensor:
 def gpt_layers(cfg: GPTConfig) -> list:
     return [
         TiedLayerSpec("embed", Embeddings, cfg),
-        *[LayerSpec(Block, cfg) for _ in range(cfg.n_layer)],
+        *[LayerSpec(GPT2Block, cfg) for _ in range(cfg.n_layer)],
         LayerSpec(nn.LayerNorm, cfg.d_model, bias=cfg.bias),
         TiedLayerSpec("embed", Embeddings, cfg, forward_fn=lm_head),
     ]
@@ -143,7 +158,8 @@ class StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.start is not None:
             self.steps += 1
-            self.end = self._now(trainer)
+            if trainer.global_step >= trainer.max_steps:  # one synchronisation at the end, none per step
+                self.end = self._now(trainer)
 
 
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
@@ -154,10 +170,11 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
         torch.cuda.reset_peak_memory_stats()
     pl.seed_everything(0)
     steps = args.warmup + args.steps
-    partition = flop_bounds(cfg, stages) if stages > 1 else "uniform"
+    chunks = args.virtual_stages if args.schedule == "interleaved" else 1
+    partition = flop_bounds(cfg, stages * chunks) if stages > 1 else "uniform"
     model = PipeGPT(cfg, args.global_batch, args.global_batch * steps, partition)
     strategy = lightning_zero.ZeroStrategy(
-        stage=1, pipeline_stages=stages, microbatches=micro, schedule=args.schedule,
+        stage=1, pipeline_stages=stages, microbatches=micro, schedule=args.schedule, virtual_stages=args.virtual_stages,
         process_group_backend="nccl" if args.device == "cuda" else "gloo",
     )
     timer = StepTimer(args.warmup)
@@ -187,7 +204,7 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
         "peak_gib": max(p for p in peaks if p is not None), "error": error,
         "bubble_measured": bubble["measured"] if bubble else None,
         "bubble_stages": measured[:: world // stages] if bubble else None,
-        "bubble_theory": theoretical_bubble(args.schedule, stages, micro) if stages > 1 else None,
+        "bubble_theory": theoretical_bubble(args.schedule, stages, micro, chunks) if stages > 1 else None,
     }
     del trainer, model, strategy
     gc.collect()
@@ -205,7 +222,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) ->
         f"Global batch {args.global_batch} x seq; schedule {args.schedule}; {args.steps} measured steps after "
         f"{args.warmup} warm-up. Bubble: idle fraction of the average stage (per stage in brackets).",
         "",
-        "| config | stages x dp | M | micro-batch | tokens/s | vs zero1 | peak GiB/GPU | bubble measured | bubble (P-1)/(M+P-1) |",
+        "| config | stages x dp | M | micro-batch | tokens/s | vs zero1 | peak GiB/GPU | bubble measured | bubble theoretical |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -228,6 +245,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--configs", default="zero1,pipe-M4,pipe-M8,pipe-M16")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
+    parser.add_argument("--virtual-stages", type=int, default=2, help="model chunks per GPU for --schedule interleaved")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)

@@ -14,6 +14,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
+    "pipeline": {"stage": 1, "pipeline_stages": 2},
+    "zero1_offload": {"stage": 1, "offload_optimizer": "cpu"},
+    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    "zero3_offload_nvme": {
+        "stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": "/local_nvme",
+    },  # DeepSpeed's default path; override with ZeroStrategy(..., nvme_path=...) or strategy.nvme_path=...
 }
 """Registered name -> ZeroStrategy keyword arguments (everything else: ZeroConfig's defaults)."""
 
@@ -22,6 +29,11 @@ DESCRIPTIONS = {
     "zero1": "lightning_zero ZeRO stage 1 (optimizer states partitioned)",
     "zero2": "lightning_zero ZeRO stage 2 (optimizer states and gradients partitioned)",
     "zero3": "lightning_zero ZeRO stage 3 (optimizer states, gradients and parameters partitioned)",
+    "pipeline": "lightning_zero pipeline parallel (2 stages, 1F1B) x ZeRO stage 1 data parallel",
+    "zero1_offload": "lightning_zero ZeRO stage 1, fp32 masters and optimizer states in CPU memory (ZeRO-Offload)",
+    "zero2_offload": "lightning_zero ZeRO stage 2, fp32 masters and optimizer states in CPU memory (ZeRO-Offload)",
+    "zero3_offload": "lightning_zero ZeRO stage 3, optimizer states and parameters in CPU memory",
+    "zero3_offload_nvme": "lightning_zero ZeRO stage 3, optimizer states and parameters on NVMe (ZeRO-Infinity)",
 }
 
 

@@ -33,7 +33,9 @@ import lightning.pytorch as pl
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.offload.engine import OffloadSettings, offload_engine
 from lightning_zero.parallel_dims import ParallelDims
+from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.zero import state_dict as zsd
 from lightning_zero.zero.engine import ZeroEngine
@@ -84,6 +86,7 @@ class ZeroStrategy(ParallelStrategy):
         self._engines: dict[int, ZeroEngine] = {}
         self._orig_dtypes: dict[str, torch.dtype] = {}
         self._guards: list = []
+        self._pipeline: Optional[PipelineIntegration] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -151,21 +154,22 @@ class ZeroStrategy(ParallelStrategy):
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self.dims = ParallelDims(self.world_size, self.global_rank, pp=self.config.pipeline_stages)
-        if self.config.pipeline_stages > 1:
-            raise NotImplementedError(
-                "pipeline_stages > 1 needs lightning_zero.pipeline.PipelineModule, which is not available yet."
-            )
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         if self.world_size > 1 or C.is_initialized():
             from datetime import timedelta
 
             _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout_s))
         self.dims.build_groups(self.config.timeout_s)
+        self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
+        if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
+            self._pipeline.place(self.lightning_module)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        if self._pipeline is not None:  # this stage's layers only, tied copies made equal
+            self._pipeline.prepare(self.model)
         self.model_to_device()
         self._broadcast_module_states()
         self._orig_dtypes = {k: v.dtype for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
@@ -190,6 +194,8 @@ class ZeroStrategy(ParallelStrategy):
                 for p in fg.params:
                     if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
                         raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
+        if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
+            self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
 
     @contextmanager
     @override
@@ -272,6 +278,9 @@ class ZeroStrategy(ParallelStrategy):
                 "param_persistence_threshold": self.config.param_persistence_threshold,
                 "materialize": make_unit_materializer(lm, self.root_device, getattr(lm, "zero_init_module", None)),
             }
+        if self.config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
+            engine_cls = offload_engine(engine_cls)
+            stage_options["offload"] = OffloadSettings.from_config(self.config, self.num_processes, self.global_rank)
         dtype = self.precision_plugin.compute_dtype
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
@@ -375,6 +384,18 @@ class ZeroStrategy(ParallelStrategy):
     def engines(self) -> list[ZeroEngine]:
         return list(self._engines.values())
 
+    @property
+    def pipeline_bubble(self) -> Optional[dict[str, Optional[float]]]:
+        """Pipeline runs: theoretical and measured idle fraction per stage (pipeline/timing.py), for logging."""
+        return self._pipeline.bubble if self._pipeline is not None else None
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Pipeline runs: a training batch size that micro-batches cannot divide fails here, before training."""
+        if self._pipeline is not None and self.lightning_module is not None:
+            self._pipeline.check_dataloader(dataloader, self.lightning_module.trainer.training)
+        return dataloader
+
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -436,7 +457,7 @@ class ZeroStrategy(ParallelStrategy):
                 value = value.to(want)
             out[k] = value.detach().cpu() if torch.is_tensor(value) else value
         del by_id
-        return out
+        return self._pipeline.merge_state_dict(out) if self._pipeline is not None else out
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -469,12 +490,15 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._engines.get(id(optimizer))
         if engine is None:
             return optimizer.state_dict()
-        return compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
+        state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
+        return self._pipeline.gather_optimizer_state(state) if self._pipeline is not None else state
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         saved = checkpoint["optimizer_states"]
         for opt, state in zip(self.optimizers, saved):
+            if self._pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
+                state = self._pipeline.local_optimizer_state(state)
             engine = self._engines.get(id(opt))
             if engine is None:
                 opt.load_state_dict(state)
@@ -486,11 +510,23 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         for engine in self._engines.values():
+            engine.teardown()  # offload: finish a delayed step, release swap files
             engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
             if isinstance(engine, Stage3Engine) and self.lightning_module is not None:
                 engine.end_eval_step()
                 self._guards += guard_released_modules(self.lightning_module, engine)
-        super().teardown()
+        if not self._engines:
+            super().teardown()
+            return
+        # Lightning's teardown moves the module and optimizer state to the CPU. Not here: the engines
+        # keep fp32 masters and optimizer shards on the device, so `trainer.save_checkpoint()` after
+        # fit still gathers them over NCCL, and released ZeRO-3 parameters have no storage to move.
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
 
     @classmethod
     @override

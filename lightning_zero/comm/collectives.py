@@ -127,20 +127,28 @@ def recv(tensor: Tensor, src_group_rank: int, group: Optional[ProcessGroup]) -> 
 
 
 def send_recv(
-    sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], group: Optional[ProcessGroup]
-) -> None:
-    """Post every ``(tensor, peer group rank)`` send and receive at once, then wait for all of them.
+    sends: Sequence[tuple[Tensor, int]],
+    recvs: Sequence[tuple[Tensor, int]],
+    group: Optional[ProcessGroup],
+    wait: bool = True,
+) -> list:
+    """Post every ``(tensor, peer group rank)`` send and receive at once; wait for all unless ``wait``
+    is False, then return the work handles: one per operation, sends first (gloo), or one for the
+    whole batch (NCCL coalesces it into one group call).
 
-    One ``batch_isend_irecv`` (one NCCL group call): sends and receives between the same two ranks
-    then progress together instead of queueing behind each other on the pair's stream, which is how
-    pipeline stages exchange activations and gradients without deadlock (pipeline/schedule.py).
+    One ``batch_isend_irecv``: sends and receives between the same two ranks progress together
+    instead of queueing behind each other on the pair's stream, which is how pipeline stages
+    exchange activations and gradients without deadlock (pipeline/schedule.py).
     """
     ops = [dist.P2POp(dist.isend, t, global_rank_of(group, p), group) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, t, global_rank_of(group, p), group) for t, p in recvs]
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        return []
+    works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+    if wait:
+        for work in works:
+            work.wait()
+    return works
 
 
 def barrier(group: Optional[ProcessGroup] = None, device_ids: Optional[list[int]] = None) -> None:

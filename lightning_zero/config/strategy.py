@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 VALID_STAGES = (0, 1, 2, 3)
+VALID_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+VALID_OFFLOAD = ("none", "cpu", "nvme")
 
 
 @dataclass
@@ -42,8 +44,63 @@ class ZeroConfig:
     """Stage 3: units with at most this many parameters stay gathered (their all-gathers cost more
     latency than their memory is worth)."""
 
+    offload_optimizer: str = "none"
+    """ZeRO-Offload (stages 1-3): where the fp32 master weights and optimizer states live. 'none' (the
+    device), 'cpu' (pinned host memory; the step runs on the CPU, with the compiled CPU Adam for
+    Adam/AdamW) or 'nvme' (files under ``nvme_path``, swapped through host buffers chunk by chunk).
+    Costs PCIe traffic (gradients down, 16-bit parameters up) and CPU time; saves 12-14 bytes per
+    parameter of device memory. ``python -m lightning_zero.estimate`` shows the trade for a model."""
+
+    offload_params: str = "none"
+    """ZeRO-Infinity (stage 3 only, with ``offload_optimizer``): where the 16-bit parameter partitions
+    live between uses: 'none' (the device), 'cpu' (pinned host memory) or 'nvme' (one file per unit
+    and rank). They are copied to the device unit by unit, with the same prefetch as the gathers."""
+
+    nvme_path: Optional[str] = None
+    """Directory for 'nvme' offload (a fast local disk; not tmpfs, which is RAM). It must exist, be
+    writable and have room for the swap files (checked before training). Swap files go to a
+    ``lightning_zero_swap`` subdirectory and are removed at teardown; never point it at checkpoints."""
+
+    pin_memory: bool = True
+    """Offload: page-lock the host buffers, so device<->host copies are asynchronous and ~7x faster.
+    Pinned memory cannot be swapped by the OS; turn off when the host is short of RAM."""
+
+    nvme_chunk_mb: float = 256.0
+    """'nvme' optimizer offload: MiB of fp32 master per swap chunk. Three chunks' buffers (master and
+    optimizer states) are in host memory at once: one being read, one stepped, one written."""
+
+    nvme_io_threads: int = 4
+    """'nvme' offload: threads doing the direct (O_DIRECT) reads and writes and their checksums."""
+
+    delayed_param_update: bool = False
+    """Offload: the ZeRO-Offload paper's one-step delayed parameter update. The CPU step of step t runs
+    while the device computes step t+1, which therefore uses parameters one update old. Hides the CPU
+    step almost entirely; the price is staleness: the paper reports unchanged convergence after a few
+    dozen synchronous warm-up steps, but it is a change of the algorithm (results differ from the
+    synchronous run and from ddp; validation sees parameters one step old). Off by default."""
+
+    delayed_param_update_warmup: int = 10
+    """With ``delayed_param_update``: synchronous steps before the delay starts (early training moves
+    fastest, where staleness hurts most)."""
+
     pipeline_stages: int = 1
     """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
+
+    microbatches: int = 4
+    """Pipeline only: each batch is cut into this many equal micro-batches that flow through the stages
+    one after another. More shrink the idle bubble (P-1)/(M+P-1) but make each matmul smaller; the
+    per-rank training batch size must be a multiple of it."""
+
+    schedule: str = "1f1b"
+    """Pipeline only: '1f1b' (one forward one backward: at most P - s micro-batches of activations live on
+    stage s), 'gpipe' (all forwards, then all backwards: M live, same bubble) or 'interleaved'
+    (Megatron's interleaved 1F1B over ``virtual_stages`` model chunks per rank: bubble (P-1)/(V M+P-1)
+    when a backward costs about two forwards, for V times the messages; microbatches must be a
+    multiple of pipeline_stages)."""
+
+    virtual_stages: int = 2
+    """Pipeline with schedule='interleaved' only: model chunks per rank (Megatron's virtual pipeline size);
+    the layers are split into pipeline_stages x virtual_stages parts."""
 
     process_group_backend: Optional[str] = None
     """torch.distributed backend; None picks nccl on CUDA and gloo on CPU."""
@@ -75,6 +132,8 @@ class ZeroConfig:
             raise ValueError(f"unit_policy must be a list of class names or module-name patterns, got {self.unit_policy!r}.")
         if not (isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1):
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
+        self._validate_pipeline()
+        self._validate_offload()
         if self.process_group_backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"process_group_backend must be one of [None, 'nccl', 'gloo'], got {self.process_group_backend!r}."
@@ -83,6 +142,68 @@ class ZeroConfig:
             raise ValueError(
                 f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], got {self.start_method!r}."
             )
+
+    def _validate_pipeline(self) -> None:
+        if not (isinstance(self.microbatches, int) and self.microbatches >= 1):
+            raise ValueError(f"microbatches must be an integer >= 1, got {self.microbatches!r}.")
+        if self.schedule not in VALID_SCHEDULES:
+            raise ValueError(f"schedule must be one of {list(VALID_SCHEDULES)}, got {self.schedule!r}.")
+        if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
+            raise ValueError(f"virtual_stages must be an integer >= 1, got {self.virtual_stages!r}.")
+        if self.pipeline_stages > 1 and self.stage >= 2:
+            raise ValueError(
+                f"ZeRO stage {self.stage} cannot be combined with pipeline_stages={self.pipeline_stages}: stage 2/3 "
+                "reduce gradients in every backward, and a pipeline runs one backward per micro-batch. Use stage=0 or "
+                "stage=1 (which partitions optimizer states within each stage's data-parallel group), as DeepSpeed does."
+            )
+        if self.pipeline_stages > 1 and self.schedule == "interleaved" and self.microbatches % self.pipeline_stages:
+            raise ValueError(
+                f"schedule='interleaved' needs microbatches ({self.microbatches}) to be a multiple of pipeline_stages "
+                f"({self.pipeline_stages})."
+            )
+
+    def _validate_offload(self) -> None:
+        """Offload settings that cannot work together fail here, at construction (the path's existence,
+        writability and free space are checked at setup, once the model's size is known)."""
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in VALID_OFFLOAD:
+                raise ValueError(f"{name} must be one of {list(VALID_OFFLOAD)}, got {getattr(self, name)!r}.")
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(
+                f"offload_params={self.offload_params!r} needs stage=3 (only ZeRO stage 3 partitions the "
+                f"parameters), got stage={self.stage}. Use stage=3, or offload_optimizer alone with stages 1-2."
+            )
+        if self.offload_params != "none" and self.offload_optimizer == "none":
+            raise ValueError(
+                f"offload_params={self.offload_params!r} with offload_optimizer='none' would keep the 12-byte "
+                "fp32 masters and optimizer states on the device while moving the 2-byte parameters off it: "
+                "set offload_optimizer='cpu' (or 'nvme') too."
+            )
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError(
+                f"offload_optimizer={self.offload_optimizer!r} needs stage >= 1 (the CPU steps this rank's "
+                "partition; stage 0 has none). Use stage=1, 2 or 3."
+            )
+        if self.offload_optimizer != "none" and self.pipeline_stages > 1:
+            raise ValueError("offload_optimizer with pipeline_stages > 1 is not supported yet.")
+        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
+            raise ValueError(
+                "offload to 'nvme' needs nvme_path: a directory on a fast local disk, e.g. nvme_path='/local_nvme'."
+            )
+        if not self.nvme_chunk_mb > 0 or not (isinstance(self.nvme_io_threads, int) and self.nvme_io_threads >= 1):
+            raise ValueError(
+                f"nvme_chunk_mb must be > 0 and nvme_io_threads an integer >= 1, got {self.nvme_chunk_mb!r}, "
+                f"{self.nvme_io_threads!r}."
+            )
+        if self.delayed_param_update and self.offload_optimizer == "none":
+            raise ValueError("delayed_param_update needs offload_optimizer='cpu' or 'nvme' (it overlaps the CPU step).")
+        if self.delayed_param_update_warmup < 0:
+            raise ValueError(f"delayed_param_update_warmup must be >= 0, got {self.delayed_param_update_warmup!r}.")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether any state leaves the device (selects the offloading engines)."""
+        return self.offload_optimizer != "none" or self.offload_params != "none"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ZeroConfig":

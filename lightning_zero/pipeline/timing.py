@@ -1,0 +1,111 @@
+"""Measured pipeline bubble: busy time of the compute actions against the span of a pipeline step.
+
+[Note: measuring the bubble]
+Each rank times its own compute actions (forward/backward of a micro-batch chunk): on CUDA with
+events on the compute stream, so a wait for a received activation shows up as a gap between two
+actions; on CPU with the wall clock. A step's span is measured on rank 0 of the pipeline, which
+starts first and finishes last (its final backward ends the schedule), so its span is the pipeline's
+makespan. The bubble is ``1 - sum(busy over stages) / (P * span)``: the idle fraction of the average
+stage, the quantity the formula ``(P - 1) / (M + P - 1)`` predicts for equal stages.
+
+The numbers of step ``k`` ride along with the loss all-reduce of step ``k + 1`` (one collective per
+step for both), so that on CUDA the events are read a step late, when they have long completed,
+without a device synchronisation in the training loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from contextlib import contextmanager
+from typing import Iterator, Optional
+
+import torch
+
+
+class StageTimer:
+    """Times this rank's compute actions within a step; ``take()`` returns (busy, span) of a finished step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[object, object]] = []
+        self._step_start: Optional[object] = None
+        self._step_end: Optional[object] = None
+        self._busy = 0.0
+        self._ready: Optional[tuple[float, float]] = None
+        self._pending: Optional[tuple[object, object, list[tuple[object, object]]]] = None
+
+    def _mark(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin_step(self) -> None:
+        self._step_start = self._mark()
+        self._events = []
+        self._busy = 0.0
+
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        start = self._mark()
+        try:
+            yield
+        finally:
+            end = self._mark()
+            if self.cuda:
+                self._events.append((start, end))
+            else:
+                self._busy += float(end) - float(start)  # type: ignore[arg-type]
+
+    def end_step(self) -> None:
+        end = self._mark()
+        if self.cuda:
+            self._pending = (self._step_start, end, self._events)
+        else:
+            self._ready = (self._busy, float(end) - float(self._step_start))  # type: ignore[arg-type]
+
+    def take(self) -> Optional[tuple[float, float]]:
+        """(busy seconds, span seconds) of the last finished step, once; None when there is none."""
+        if self.cuda and self._pending is not None:
+            start, end, events = self._pending
+            end.synchronize()  # type: ignore[attr-defined]
+            busy = sum(s.elapsed_time(e) for s, e in events) / 1e3  # type: ignore[attr-defined]
+            self._ready = (busy, start.elapsed_time(end) / 1e3)  # type: ignore[attr-defined]
+            self._pending = None
+        out, self._ready = self._ready, None
+        return out
+
+
+class BubbleStats:
+    """Rolling window of pipeline-wide (busy, span) sums: the measured bubble fraction."""
+
+    def __init__(self, stages: int, window: int = 20) -> None:
+        self.stages = stages
+        self._window: deque[tuple[float, float, float]] = deque(maxlen=window)
+
+    def add(self, busy_all_stages: float, local_busy: float, span: float) -> None:
+        if span > 0:
+            self._window.append((busy_all_stages, local_busy, span))
+
+    @property
+    def measured(self) -> Optional[float]:
+        """Idle fraction of the average stage over the window (None before two steps have run)."""
+        if not self._window:
+            return None
+        busy = sum(b for b, _, _ in self._window)
+        span = sum(s for _, _, s in self._window)
+        return min(1.0, max(0.0, 1.0 - busy / (self.stages * span)))
+
+    @property
+    def measured_local(self) -> Optional[float]:
+        """Idle fraction of this rank's stage over the window."""
+        if not self._window:
+            return None
+        busy = sum(b for _, b, _ in self._window)
+        span = sum(s for _, _, s in self._window)
+        return min(1.0, max(0.0, 1.0 - busy / span))
+
+
+__all__ = ["StageTimer", "BubbleStats"]

@@ -1,0 +1,199 @@
+"""Pipelined ZeroStrategy against the same LightningModule trained on one process (CPU, gloo, fp32).
+
+One ``torchrun`` per world size trains every configuration in one process group (start-up is the
+expensive part on a 2-core machine); the references run in this process; the tests only compare.
+Model: a tied embedding, 4 blocks (5 for the uneven split), a LayerNorm and the embedding as head.
+Global batch 8 for every run, gradient clipping at 0.5 (so the global norm must count tied weights
+once), AdamW with two param groups and an LR scheduler, 20 steps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT, free_port
+from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens
+
+TOL = 1e-4
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
+    return float(((ta - tb).abs() / tb.abs()).max())
+
+
+def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+        str(ROOT / "tests/pipeline/pipe_worker.py"), str(tmp),
+    ] + [f"{k}={v}" for k, v in runs.items()]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
+
+
+def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1) -> dict:
+    """The same LightningModule on one process: Lightning's single-device strategy, layers in sequence."""
+    import lightning.pytorch as pl
+
+    warnings.filterwarnings("ignore")
+    pl.seed_everything(0, workers=True)
+    model = PipeNet(blocks=blocks)
+    probe = GradNormProbe()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=1, limit_val_batches=2, use_distributed_sampler=False, callbacks=[probe],
+    )
+    trainer.fit(model)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"losses": model.losses, "val_losses": model.val_losses, "grad_norms": probe.norms, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def refs() -> dict[str, dict]:
+    return {"4": _reference(4), "5": _reference(5), "4acc": _reference(4, steps=10, accumulate=2)}
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    runs = {
+        "p2_1f1b": "stages=2,schedule=1f1b,micro=4,ckpt=1",
+        "p2_gpipe": "stages=2,schedule=gpipe,micro=4",
+        "p2_uneven": "stages=2,schedule=1f1b,micro=2,blocks=5",
+        "p2_interleaved": "stages=2,schedule=interleaved,virtual=2,micro=4,ckpt_interval=1",
+        "p2_zero0_accum": "stages=2,stage=0,micro=2,accumulate=2,steps=10,partition=uniform",
+        "p2_resume": "stages=2,micro=4,resume=1",
+        "p1_zero2": "stages=1,stage=2",
+        "p2_bf16": "stages=2,precision=bf16-mixed,steps=10",
+        "bad_layers": "stages=2,expect=layers",
+        "bad_batch": "stages=2,micro=4,expect=batch",
+    }
+    return _launch(tmp_path_factory.mktemp("pipe2"), 2, runs)
+
+
+@pytest.fixture(scope="module")
+def four_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    runs = {
+        "p2x2_1f1b": "stages=2,schedule=1f1b,micro=2",
+        "p2x2_gpipe": "stages=2,schedule=gpipe,micro=2",
+        "p4_1f1b": "stages=4,schedule=1f1b,micro=4",
+    }
+    return _launch(tmp_path_factory.mktemp("pipe4"), 4, runs)
+
+
+def _dp_mean_losses(run: dict, stages: int) -> list[float]:
+    """Mean over the data-parallel ranks of stage 0 (ranks 0..dp-1): the loss of the global batch."""
+    per = run["per_rank"]
+    dp = len(per) // stages
+    return [sum(per[r]["losses"][i] for r in range(dp)) / dp for i in range(len(per[0]["losses"]))]
+
+
+def _check_run(run: dict, ref: dict, stages: int) -> None:
+    losses = _dp_mean_losses(run, stages)
+    assert len(losses) == len(ref["losses"])
+    assert _rel(losses, ref["losses"]) < TOL
+    assert _rel(run["grad_norms"], ref["grad_norms"]) < TOL  # tied embedding counted once in the norm
+    assert _rel(run["val_losses"], ref["val_losses"]) < TOL  # sanity check through the pipeline, 6 = 2+2+1+1
+    per = run["per_rank"]
+    dp = len(per) // stages
+    for r in range(len(per)):  # every rank returns its pipeline's loss
+        assert per[r]["losses"] == per[r % dp]["losses"]
+    weights = run["weights"]  # merged on rank 0 from every stage, under the un-pipelined names
+    assert set(weights) == set(ref["weights"])
+    bad = {k: v for k, v in weights.items() if float((v - ref["weights"][k]).norm() / ref["weights"][k].norm()) > TOL}
+    assert not bad, sorted(bad)
+    # each stage holds a strict subset of the layers, and together they hold all of them
+    keys = [set(p["local_keys"]) for p in per]
+    assert all(k < set(ref["weights"]) for k in keys) or stages == 1
+    assert set().union(*keys) == set(ref["weights"])
+
+
+@pytest.mark.parametrize("name", ["p2_1f1b", "p2_gpipe", "p2_interleaved"])
+def test_two_stages_match_one_process(two_procs: dict, refs: dict, name: str) -> None:
+    _check_run(two_procs[name], refs["4"], stages=2)
+
+
+def test_same_module_without_pipeline_under_zero2(two_procs: dict, refs: dict) -> None:
+    """pipeline_stages=1: the PipelineModule runs its layers in sequence; ZeRO-2 over 2 data-parallel ranks."""
+    run = two_procs["p1_zero2"]
+    _check_run(run, refs["4"], stages=1)
+    assert run["bubble"] is None
+
+
+def test_uneven_split_matches_one_process(two_procs: dict, refs: dict) -> None:
+    run = two_procs["p2_uneven"]
+    _check_run(run, refs["5"], stages=2)
+    blocks = [sum(".down.weight" in k for k in p["local_keys"]) for p in run["per_rank"]]
+    assert sorted(blocks) == [2, 3]  # 5 blocks on 2 stages
+
+
+def test_zero0_with_gradient_accumulation(two_procs: dict, refs: dict) -> None:
+    _check_run(two_procs["p2_zero0_accum"], refs["4acc"], stages=2)
+
+
+@pytest.mark.parametrize("name", ["p2x2_1f1b", "p2x2_gpipe"])
+def test_two_stages_by_two_data_parallel(four_procs: dict, refs: dict, name: str) -> None:
+    _check_run(four_procs[name], refs["4"], stages=2)
+
+
+def test_four_stages(four_procs: dict, refs: dict) -> None:
+    _check_run(four_procs["p4_1f1b"], refs["4"], stages=4)
+
+
+def test_bf16_activations_and_gradients_cross_stages(two_procs: dict, refs: dict) -> None:
+    """bf16-mixed: 16-bit activations, gradients and tied-gradient sums between the stages."""
+    run = two_procs["p2_bf16"]
+    assert _rel(run["losses"], refs["4"]["losses"][:10]) < 2e-2
+    assert _rel(run["grad_norms"], refs["4"]["grad_norms"][:10]) < 5e-2
+
+
+def test_checkpoint_loads_into_unpipelined_model(two_procs: dict, refs: dict) -> None:
+    run = two_procs["p2_1f1b"]
+    ckpt = torch.load(run["ckpt"], weights_only=False)
+    plain = PipeNet(blocks=4)
+    plain.load_state_dict(ckpt["state_dict"], strict=True)
+    for k, v in plain.state_dict().items():
+        assert torch.allclose(v, refs["4"]["weights"][k], rtol=1e-4, atol=1e-6), k
+    with torch.no_grad():
+        expected = plain.pipe.predict(RandomTokens(6, seed=5).data[:, :-1])
+    for rank in run["per_rank"]:  # pipe.predict: the last stage's outputs, on every rank
+        assert torch.allclose(rank["predict"], expected, rtol=1e-4, atol=1e-5)
+    opt = ckpt["optimizer_states"][0]
+    assert opt["pipeline_stages"] == 2 and len(opt["stages"]) == 2
+    assert all(s["state"] for s in opt["stages"])  # every stage's Adam moments are in the file
+
+
+def test_resume_continues_with_the_same_losses(two_procs: dict) -> None:
+    run = two_procs["p2_resume"]
+    assert len(run["resumed_losses"]) == 10
+    assert _rel(run["resumed_losses"], run["losses"][10:]) < TOL
+
+
+def test_bubble_is_reported(two_procs: dict) -> None:
+    bubble = two_procs["p2_1f1b"]["bubble"]
+    assert bubble["theoretical"] == pytest.approx(1 / 5)
+    assert 0.0 <= bubble["measured"] <= 1.0 and 0.0 <= bubble["measured_stage"] <= 1.0
+    assert two_procs["p2_interleaved"]["bubble"]["theoretical"] == pytest.approx(1 / 9)
+
+
+def test_more_stages_than_layers_fails_before_training(two_procs: dict) -> None:
+    run = two_procs["bad_layers"]
+    assert "1 layer(s) but the pipeline has 2 stage(s)" in run["error"]
+    assert all(p["error"] == run["error"] for p in run["per_rank"])
+
+
+def test_batch_not_divisible_by_microbatches_fails_before_training(two_procs: dict) -> None:
+    run = two_procs["bad_batch"]
+    assert "batch_size=6 is not divisible by microbatches=4" in run["error"]
+    assert run["trained_losses"] == []
