@@ -10,6 +10,12 @@ TFLOP/s and MFU per GPU, peak memory per GPU, then the issues' targets as PASS/F
     python3 benchmarks/peers.py --gpus 1 --configs single,zero2 --steps 20 --warmup 5
     python3 benchmarks/peers.py --device cpu --model tiny --gpus 2 --configs ddp,zero2 --steps 3 --warmup 1
     python3 benchmarks/peers.py --from-results runs/peers/<run>/results.jsonl   # re-render a run's table
+    python3 benchmarks/peers.py --gpus 2 --profile --configs ddp,zero3 --steps 8 --warmup 3   # + exposed comm
+
+``--profile``: after its timed steps, each configuration profiles 3 more (``torch.profiler``, CPU +
+CUDA, every rank, nothing exported) and the table gains a column "comm (exposed / total)": the time
+only NCCL kernels ran on the device, and the time any ran, as fractions of the profiled wall time
+(``overlap.py``). The timed steps, and so every other column, are those of a run without it.
 
 Why one process tree per configuration: CUDA's caching allocator, NCCL communicators, cuBLAS
 workspaces and DeepSpeed's global state would otherwise carry from one peer into the next one's
@@ -77,6 +83,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--write-results", action="store_true", help="append a dated section to --results-md")
     p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--from-results", type=Path, default=None, help="only re-render the table of a results.jsonl")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile 3 more (torch.profiler) and add the exposed communication "
+                        "fraction to the table (off by default: the timed steps are the same either way)")
     args = p.parse_args(argv)
     if args.gpus < 1 or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
         p.error("--gpus, --steps and --micro-batch must be >= 1 and --warmup >= 0")
@@ -134,7 +143,7 @@ def worker_cmd(args: argparse.Namespace, config: str, results: Path, fused: bool
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
         "--devices", str(args.gpus), "--results-file", str(results),
     ]
-    return cmd + ([] if fused else ["--no-fused"])
+    return cmd + ([] if fused else ["--no-fused"]) + (["--profile"] if args.profile else [])
 
 
 # ---------------------------------------------------------------------------------------------------- children
@@ -312,6 +321,7 @@ def meta(args: argparse.Namespace, command: str) -> dict[str, object]:
         "precision": "bf16-mixed",
         "warmup": args.warmup,
         "steps": args.steps,
+        "profile": args.profile,
         "command": command,
         "reference_comparable": model_label(args.model) == "gpt_1b" and args.micro_batch == 8 and args.device == "cuda",
         "versions": {

@@ -6,7 +6,9 @@ e.g. here after fetching the results file back from the GPU machine.
 [Note: aggregating ranks] A step ends when its slowest rank ends, so a configuration's step time
 is, per timed step, the maximum over ranks, and the reported figure is the median of those maxima
 (robust to one slow step: a garbage collection, a page fault). Tokens/s are global: the tokens of
-one step on all ranks divided by that median. Peak memory is the maximum over ranks.
+one step on all ranks divided by that median. Peak memory is the maximum over ranks. The exposed and
+total communication fractions of a ``--profile`` run (each rank's own device timeline) are averaged
+over ranks.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class Row:
     mfu: Optional[float] = None
     peak_mem_gib: Optional[float] = None
     final_loss: Optional[float] = None
+    profiled: bool = False
+    """Whether the ranks recorded a communication profile (``peers.py --profile``)."""
+    exposed_comm: Optional[float] = None
+    """Fraction of the profiled wall time in which only communication kernels ran (mean over ranks)."""
+    comm_total: Optional[float] = None
+    """Fraction of the profiled wall time in which any communication kernel ran (mean over ranks)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,6 +127,12 @@ def _attempt_records(records: list[dict[str, Any]], config: str) -> list[dict[st
 # ---------------------------------------------------------------------------------------------------- rows
 
 
+def _mean(values: list[Optional[float]]) -> Optional[float]:
+    """Mean of the values that are not None (None if all are)."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
 def _ok_row(config: str, gpus: int, ranks: list[dict[str, Any]]) -> Row:
     """See [Note: aggregating ranks]."""
     n_steps = min(len(r["step_times_s"]) for r in ranks)
@@ -143,6 +157,13 @@ def _ok_row(config: str, gpus: int, ranks: list[dict[str, Any]]) -> Row:
         peak_mem_gib=max(r["peak_mem_bytes"] for r in ranks) / GIB,
         final_loss=losses[0] if losses else None,
     )
+    if any("exposed_comm" in r for r in ranks):
+        row.profiled = True
+        row.exposed_comm = _mean([r.get("exposed_comm") for r in ranks])
+        row.comm_total = _mean([r.get("comm_total") for r in ranks])
+        profile_notes = {str((r.get("comm_profile") or {}).get("note")) for r in ranks} - {"None"}
+        if profile_notes:
+            row.notes.append("profile: " + "; ".join(sorted(profile_notes)))
     if not first.get("fused", True):
         row.notes.append("AdamW without fused=True")
     if any(loss != loss or loss in (float("inf"), float("-inf")) for loss in losses):
@@ -190,6 +211,15 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def _fmt_comm(r: Row) -> str:
+    """'3.2% / 41.0%' (exposed / total communication), 'n/a' without CUDA kernels, '–' if not profiled."""
+    if not r.profiled:
+        return "–"
+    if r.exposed_comm is None or r.comm_total is None:
+        return "n/a"
+    return f"{r.exposed_comm * 100:.1f}% / {r.comm_total * 100:.1f}%"
+
+
 def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -203,6 +233,9 @@ def render_table(rows: list[Row], meta: dict[str, Any]) -> str:
     refs = REFERENCE_H200.get(gpus, {}) if meta.get("reference_comparable") else {}
     mem_head = "peak mem/GPU (GiB)" if cuda else "peak RSS/proc (GiB)"
     head = ["config", "GPUs" if cuda else "procs", "tokens/s", f"× {base_name}", "TFLOP/s/GPU", "MFU", mem_head, "step (ms)", "loss"]
+    profiled = any(r.profiled for r in rows)
+    if profiled:
+        head.append("comm (exposed / total)")
     if refs:
         head.append("DESIGN §7 (H200)")
     head.append("note")
@@ -220,6 +253,8 @@ def render_table(rows: list[Row], meta: dict[str, Any]) -> str:
             _fmt(r.step_ms, ".1f"),
             _fmt(r.final_loss, ".3f"),
         ]
+        if profiled:
+            cells.append(_fmt_comm(r))
         if refs:
             ref = refs.get(r.config)
             cells.append(f"{_fmt_tokens(ref[0])}, {ref[1]:.1f} GiB" if ref and ref[1] else _fmt_tokens(ref[0]) if ref else "")
@@ -308,6 +343,15 @@ def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] =
         "",
         render_table(rows, meta),
     ]
+    if any(r.profiled for r in rows):
+        n_prof = next((r["comm_profile"]["steps"] for r in ranks if (r.get("comm_profile") or {}).get("steps")), 3)
+        lines[-1:-1] = [
+            f"Comm (exposed / total): after the timed steps, {n_prof} more were profiled (`torch.profiler`, every rank); "
+            "over their wall time, the fraction in which NCCL kernels ran with no other kernel on the device "
+            "(exposed) and in which any NCCL kernel ran (total; total - exposed was hidden behind compute); "
+            "mean over ranks (`benchmarks/overlap.py`). n/a: no CUDA kernels (CPU run).",
+            "",
+        ]
     if meta.get("device_type", "cuda") == "cuda":
         targets = render_targets(rows, gpus)
         if targets:

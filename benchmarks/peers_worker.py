@@ -4,7 +4,10 @@ Started by ``benchmarks/peers.py``, one process tree per configuration, so that 
 caching allocator, NCCL communicators and DeepSpeed's JIT state never leak from one peer into the
 next one's numbers. Each rank appends exactly one JSON line to ``--results-file``:
 
-* ``{"kind": "rank", ...}``: the timed steps, peak memory and versions of that rank;
+* ``{"kind": "rank", ...}``: the timed steps, peak memory and versions of that rank; with
+  ``--profile``, also ``exposed_comm`` and ``comm_total`` (fractions of the wall time of
+  ``--profile-steps`` steps profiled after the timed ones, None where there are no CUDA kernels) and
+  their details in ``comm_profile`` (see :class:`CommProfiler`);
 * ``{"kind": "error", "status": "skipped" | "failed", "reason": ...}``: when the strategy cannot be
   built (e.g. ``ZeroStrategy(stage=3)`` not implemented yet, DeepSpeed not installed) or training
   raised (e.g. CUDA OOM). The parent turns these into table rows; a failing configuration never
@@ -40,6 +43,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import Strategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
+from overlap import comm_overlap  # noqa: E402
 from presets import PEERS, model_preset  # noqa: E402
 
 PRECISION = "bf16-mixed"
@@ -145,9 +149,13 @@ class StepTimer(Callback):
     time its own.
     """
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, timed: Optional[int] = None) -> None:
         super().__init__()
         self.warmup = warmup
+        self.timed = timed
+        """None: every step after warm-up is timed (and peak memory is read at train end). A number:
+        only that many (the steps after them are profiled, see :class:`CommProfiler`), and peak memory
+        is read at the end of the last timed one."""
         self.steps_seen = 0
         self.step_times: list[float] = []
         self.inner_times: list[float] = []
@@ -179,10 +187,14 @@ class StepTimer(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         end = self._now()
+        if self.timed is not None and self.steps_seen >= self.warmup + self.timed:
+            return  # a profiled step: the timed ones' times, memory and loss stand as they are
         if self.steps_seen >= self.warmup:
             assert self._last_end is not None
             self.step_times.append(end - self._last_end)
             self.inner_times.append(end - self._start)
+            if self.timed is not None and len(self.step_times) == self.timed:
+                self._read_peak_memory()
         self._last_end = end
         self.steps_seen += 1
         self.tokens_per_step = int(batch[0].numel())
@@ -190,11 +202,192 @@ class StepTimer(Callback):
         if isinstance(loss, torch.Tensor):
             self.last_loss = loss.detach()
 
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _read_peak_memory(self) -> None:
         if self._device is not None and self._device.type == "cuda":
             self.peak_allocated = torch.cuda.max_memory_allocated(self._device)
             self.peak_reserved = torch.cuda.max_memory_reserved(self._device)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.timed is None:
+            self._read_peak_memory()
+
+
+# ---------------------------------------------------------------------------------------------------- profiling
+
+PROFILE_WINDOW = "lz_profiled_steps"
+"""The ``record_function`` range that marks the profiled steps: its span is the wall time of the window."""
+
+
+def _profiler_rows(prof: Any) -> tuple[list[tuple[str, Any, float, float, Any, bool, Any]], list[str]]:
+    """Every event of a stopped ``torch.profiler.profile`` as (name, device type, start_us, end_us,
+    activity type or None, is user annotation, device index or None), and notes.
+
+    First the raw ``prof.profiler.kineto_results.events()`` (start/end in ns on one clock): reading them
+    takes about a second for 100k events, where ``prof.events()`` builds FunctionEvents and their tree
+    at ~20x the cost (tens of seconds for a few GPT-1.3B steps). If the raw API is missing or has
+    changed, ``prof.events()`` (``time_range`` in us from the trace start), with a note.
+    """
+
+    def opt(obj: Any, attr: str, default: Any = None) -> Any:
+        fn = getattr(obj, attr, None)
+        try:
+            return fn() if callable(fn) else default
+        except Exception:  # noqa: BLE001
+            return default
+
+    try:
+        rows = []
+        for k in prof.profiler.kineto_results.events():
+            if opt(k, "is_hidden_event", False):
+                continue
+            rows.append((k.name(), k.device_type(), k.start_ns() / 1e3, k.end_ns() / 1e3, opt(k, "activity_type"),
+                         bool(opt(k, "is_user_annotation", False)), opt(k, "device_index")))
+        return rows, []
+    except Exception as exc:  # noqa: BLE001 - an API change must not cost the row
+        note = f"kineto_results.events() unusable ({short_reason(exc)}): used prof.events()"
+    rows = []
+    for e in prof.events():
+        rows.append((e.name, e.device_type, float(e.time_range.start), float(e.time_range.end),
+                     getattr(e, "activity_type", None), bool(getattr(e, "is_user_annotation", False)),
+                     getattr(e, "device_index", None)))
+    return rows, [note]
+
+
+def _device_activity(prof: Any, device_index: Optional[int]) -> tuple[list[tuple[str, float, float]], Optional[tuple[float, float]], list[str]]:
+    """(device activity as (name, start_us, end_us), the window's (start_us, end_us), notes) from a stopped
+    ``torch.profiler.profile``.
+
+    Device activity is every CUDA-side event (kernels, memcpy, memset) except annotations:
+    ``record_function`` ranges (ours, Lightning's, the optimizer's) are mirrored onto the GPU timeline
+    as ``gpu_user_annotation`` events that span whole phases and are not work. Only the given device's
+    events are kept (when any carry its index).
+    """
+    from torch.autograd import DeviceType
+
+    rows, notes = _profiler_rows(prof)
+    annotation_names = {name for name, dev, _, _, act, ann, _ in rows
+                        if dev == DeviceType.CPU and (ann or (act and "annotation" in str(act)))}
+    windows = [(s, e) for name, dev, s, e, _, _, _ in rows if dev == DeviceType.CPU and name == PROFILE_WINDOW]
+    device: list[tuple[str, float, float, Any]] = []
+    for name, dev, s, e, act, ann, index in rows:
+        if dev != DeviceType.CUDA or ann or name in annotation_names or name.startswith("ProfilerStep#"):
+            continue
+        if act is not None and "annotation" in str(act):
+            continue
+        device.append((name, s, e, index))
+    if device_index is not None and any(i == device_index for *_, i in device):
+        device = [d for d in device if d[3] == device_index]
+    elif device and device_index is not None:
+        notes.append(f"no event carries device index {device_index}: used all devices' events")
+    window = windows[0] if len(windows) == 1 else None
+    if window is None:
+        notes.append(f"{len(windows)} '{PROFILE_WINDOW}' ranges found: wall = span of the device activity")
+    return [(n, s, e) for n, s, e, _ in device], window, notes
+
+
+class CommProfiler(Callback):
+    """Profiles ``steps`` training steps after the first ``start_after`` ones, then measures how much
+    device time was communication and how much of it was exposed (see overlap.py's
+    [Note: exposed communication]).
+
+    The window runs from one synchronised step end (after ``start_after`` steps: the timed ones are
+    over, so their numbers carry no profiler overhead) to the synchronised end of ``steps`` steps
+    later, like :class:`StepTimer`'s steps, and is marked with a ``record_function`` range so that its
+    wall time is read on the profiler's own clock. Every rank profiles (profiling one rank only would
+    slow it and show up as the others' wait inside NCCL). Nothing is exported; the trace is dropped
+    after the numbers are taken. Any profiler failure becomes a note, never a failed row.
+    """
+
+    def __init__(self, start_after: int, steps: int = 3) -> None:
+        super().__init__()
+        self.start_after = start_after
+        self.steps = steps
+        self.seen = 0
+        self.result: dict[str, Any] = {}
+        self._prof: Any = None
+        self._window: Any = None
+        self._profiled = 0
+        self._device: Optional[torch.device] = None
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        activities = [ProfilerActivity.CPU]
+        if self._device is not None and self._device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        try:
+            self._sync()
+            self._prof = profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False)
+            self._prof.start()
+            self._window = record_function(PROFILE_WINDOW)
+            self._window.__enter__()
+        except Exception as exc:  # noqa: BLE001
+            self.result = {"note": f"profiler did not start: {short_reason(exc)}"}
+            self._prof = self._window = None
+
+    def _stop(self) -> None:
+        prof, window, self._prof, self._window = self._prof, self._window, None, None
+        notes: list[str] = []
+        try:
+            self._sync()
+            if window is not None:
+                window.__exit__(None, None, None)
+            prof.stop()
+        except Exception as exc:  # noqa: BLE001
+            self.result = {"note": f"profiler did not stop cleanly: {short_reason(exc)}"}
+            return
+        if self._profiled < self.steps:
+            notes.append(f"only {self._profiled} of {self.steps} steps profiled")
+        try:
+            t0 = time.perf_counter()
+            index = self._device.index if self._device is not None and self._device.type == "cuda" else None
+            kernels, span, more = _device_activity(prof, index)
+            notes += more
+            measured = comm_overlap(kernels, span)
+            self.result = {**measured.as_dict(), "steps": self._profiled, "analysis_s": time.perf_counter() - t0}
+            if not kernels:
+                notes.append("no CUDA kernel events" + (" (CPU run)" if index is None else ""))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            notes.append(f"analysis failed: {short_reason(exc)}")
+        if notes:
+            self.result["note"] = "; ".join(notes)
+
+    @property
+    def exposed_comm(self) -> Optional[float]:
+        return self.result.get("exposed_fraction")
+
+    @property
+    def comm_total(self) -> Optional[float]:
+        return self.result.get("comm_fraction")
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._device = trainer.strategy.root_device
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.seen += 1
+        if self._prof is not None:
+            self._profiled += 1
+            if self._profiled >= self.steps:
+                self._stop()
+        elif self.seen == self.start_after and not self.result:
+            self._start()
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._prof is not None:  # training ended inside the window
+            self._stop()
+        elif not self.result:
+            self.result = {"note": f"training ended after {self.seen} steps, before profiling began"}
 
 
 # ---------------------------------------------------------------------------------------------------- records
@@ -272,6 +465,8 @@ def build_module(spec: PeerConfig, args: argparse.Namespace, trainer: Trainer, c
     """The GPTModule, constructed where ``spec.build_in`` says (see :class:`PeerConfig`)."""
     from gpt import GPT, GPTModule
 
+    # The LR horizon is the warm-up + timed steps with or without --profile (profiled steps after it run
+    # at the final LR), so a profiling run's timed steps are those of a plain run.
     kwargs = {"fused": None if args.no_fused else True, "max_steps": args.warmup + args.steps}
     if spec.build_in == "init_module":
         empty_init = spec.empty_init_on_cuda if args.device == "cuda" else None
@@ -305,18 +500,27 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="processes (GPUs) in this run")
     p.add_argument("--no-fused", action="store_true", help="torch AdamW without fused=True")
     p.add_argument("--results-file", type=Path, required=True)
-    return p.parse_args(argv)
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile --profile-steps more and record the exposed communication")
+    p.add_argument("--profile-steps", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.profile and args.profile_steps < 1:
+        p.error("--profile-steps must be >= 1")
+    return args
 
 
-def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], timer: StepTimer) -> Trainer:
-    """A Trainer that does nothing but train: no validation, checkpoints, logger, progress bar or summary."""
+def build_trainer(
+    args: argparse.Namespace, strategy: Union[str, Strategy], timer: StepTimer, profiler: Optional[CommProfiler] = None
+) -> Trainer:
+    """A Trainer that does nothing but train: no validation, checkpoints, logger, progress bar or summary.
+    With a profiler, it runs the profiled steps after the timed ones (the timer ignores them)."""
     return L.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=args.devices,
         num_nodes=1,
         strategy=strategy,
         precision=PRECISION,
-        max_steps=args.warmup + args.steps,
+        max_steps=args.warmup + args.steps + (profiler.steps if profiler is not None else 0),
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
@@ -324,19 +528,23 @@ def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], time
         enable_progress_bar=False,
         enable_model_summary=False,
         gradient_clip_val=None,
-        callbacks=[timer],
+        callbacks=[timer] if profiler is None else [timer, profiler],  # the timer synchronises first
     )
 
 
-def rank_record(args: argparse.Namespace, trainer: Trainer, model: Any, timer: StepTimer, n_params: int) -> dict:
-    """What the parent needs from one rank to build its row."""
+def rank_record(
+    args: argparse.Namespace, trainer: Trainer, model: Any, timer: StepTimer, n_params: int,
+    profiler: Optional[CommProfiler] = None,
+) -> dict:
+    """What the parent needs from one rank to build its row (with ``--profile``: ``exposed_comm`` and
+    ``comm_total``, fractions of the profiled wall time or None, and the details in ``comm_profile``)."""
     name, peak = device_info(trainer.strategy.root_device)
     peak_mem = timer.peak_allocated
     if args.device != "cuda":
         from lightning_zero.logging.metrics import peak_host_rss_bytes
 
         peak_mem = peak_host_rss_bytes() or 0
-    return {
+    record = {
         "kind": "rank",
         "config": args.config,
         "rank": trainer.global_rank,
@@ -357,6 +565,9 @@ def rank_record(args: argparse.Namespace, trainer: Trainer, model: Any, timer: S
         "micro_batch": args.micro_batch,
         "strategy_class": type(trainer.strategy).__name__,
     }
+    if profiler is not None:
+        record.update(exposed_comm=profiler.exposed_comm, comm_total=profiler.comm_total, comm_profile=profiler.result)
+    return record
 
 
 def _shutdown_process_group() -> None:
@@ -392,14 +603,15 @@ def run(args: argparse.Namespace) -> int:
         L.seed_everything(0, verbose=False)
         torch.set_float32_matmul_precision("high")
         cfg = GPTConfig(**model_preset(args.model))
-        timer = StepTimer(args.warmup)
-        trainer = build_trainer(args, strategy, timer)
+        profiler = CommProfiler(args.warmup + args.steps, args.profile_steps) if args.profile else None
+        timer = StepTimer(args.warmup, timed=args.steps if profiler is not None else None)
+        trainer = build_trainer(args, strategy, timer, profiler)
         model = build_module(spec, args, trainer, cfg)
         data = TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch)
         trainer.fit(model, datamodule=data)
         if len(timer.step_times) < args.steps:
             raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran (too little data?)")
-        append_record(args.results_file, rank_record(args, trainer, model, timer, count_params(cfg)))
+        append_record(args.results_file, rank_record(args, trainer, model, timer, count_params(cfg), profiler))
         _shutdown_process_group()
     except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
         if isinstance(exc, KeyboardInterrupt):
@@ -422,7 +634,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     return code
 
 
-__all__ = ["CONFIGS", "PeerConfig", "StepTimer", "append_record", "run", "main"]
+__all__ = ["CONFIGS", "CommProfiler", "PeerConfig", "StepTimer", "append_record", "run", "main"]
 
 
 if __name__ == "__main__":

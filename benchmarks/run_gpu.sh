@@ -8,6 +8,8 @@
 #   gputests  python3 -m pytest -q -m gpu tests
 #   peers1    benchmarks/peers.py --gpus 1 (single, zero1/2/3, fsdp, deepspeed_stage_2/3)
 #   peers2    benchmarks/peers.py --gpus 2 (ddp, zero1/2/3, fsdp, deepspeed_stage_2/3); needs 2 GPUs
+#   peers2prof benchmarks/peers.py --gpus 2 --profile (ddp, zero2, zero3, fsdp; 3 warm-up + 8 timed steps,
+#             then 3 profiled ones): adds the exposed / total communication column; needs 2 GPUs, ~3 min
 #   onebit    torchrun 2 procs benchmarks/onebit.py   (skipped while that file does not exist)
 #   pipeline  torchrun 2 procs benchmarks/pipeline.py (skipped while that file does not exist)
 # Without sections: "ops gputests peers1" on a 1-GPU machine, "peers2 onebit pipeline" on 2+ GPUs.
@@ -22,7 +24,8 @@
 # Environment knobs: LZ_BUDGET_S (wall-clock budget of the whole script, default 570 s: the device
 # tool's command limit is 600 s; sections that would overrun are cut, peers.py then skips the
 # configurations that no longer fit and still prints its table), PEERS_ARGS (extra peers.py
-# arguments, e.g. "--configs zero2,zero3 --steps 20"), ONEBIT_ARGS, PIPELINE_ARGS.
+# arguments, e.g. "--configs zero2,zero3 --steps 20"), PEERS_PROF_ARGS (extra/overriding arguments of
+# peers2prof), ONEBIT_ARGS, PIPELINE_ARGS.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -84,6 +87,12 @@ _peers() {  # $1 = GPUs; the section's own time limit is in $SECTION_LIMIT
 }
 section_peers1() { _peers 1; }
 section_peers2() { _peers 2; }
+section_peers2prof() {  # at most 240 s: 4 configurations of ~25-35 s each, plus profiling and its analysis
+  local budget=$(( SECTION_LIMIT - 20 < 240 ? SECTION_LIMIT - 20 : 240 ))
+  # shellcheck disable=SC2086
+  python3 benchmarks/peers.py --gpus 2 --profile --configs ddp,zero2,zero3,fsdp --steps 8 --warmup 3 \
+    --write-results --out-dir "$WORK/peers2prof" --config-timeout-s 120 --budget-s "$budget" ${PEERS_PROF_ARGS:-}
+}
 
 _torchrun2() {  # $1 = script, rest = its arguments
   local script=$1; shift
@@ -93,20 +102,20 @@ _torchrun2() {  # $1 = script, rest = its arguments
 section_onebit() { _torchrun2 benchmarks/onebit.py ${ONEBIT_ARGS:-}; }
 section_pipeline() { _torchrun2 benchmarks/pipeline.py ${PIPELINE_ARGS:-}; }
 
-export -f section_ops section_gputests _peers section_peers1 section_peers2 _torchrun2 section_onebit section_pipeline
+export -f section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof _torchrun2 section_onebit section_pipeline
 
 STATUS=()
 run_section() {
   local name=$1 limit
   limit=$(( $(left) - 10 ))
   if ! declare -F "section_$name" > /dev/null; then
-    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 onebit pipeline)"); return
+    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof onebit pipeline)"); return
   fi
   if (( limit < 30 )); then
     echo "=== $name: skipped, $(left) s of the ${BUDGET} s budget left" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (budget)"); return
   fi
-  if [[ $name == peers2 || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
+  if [[ $name == peers2 || $name == peers2prof || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
     echo "=== $name: skipped, needs 2 GPUs, this machine has $NGPUS" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (needs 2 GPUs)"); return
   fi

@@ -6,5 +6,13 @@ whole tensors (LAMB's per-tensor trust ratios).
 """
 
 from lightning_zero.optim.cpu_adam import CPUAdam
+from lightning_zero.optim.fused_adam import FusedAdam
+from lightning_zero.optim.fused_lamb import FusedLamb
 
-__all__ = ["CPUAdam"]
+__all__ = ["CPUAdam", "FusedAdam", "FusedLamb"]
+
+# 1-bit optimizers (compressed momentum communication; lightning_zero/comm/compressed/).
+from lightning_zero.optim.onebit_adam import OneBitAdam  # noqa: E402
+from lightning_zero.optim.onebit_lamb import OneBitLamb  # noqa: E402
+
+__all__ += ["OneBitAdam", "OneBitLamb"]

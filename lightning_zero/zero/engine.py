@@ -24,8 +24,9 @@ DeepSpeed): with Adam, a parameter unused by every rank still sees its moments d
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Generator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -129,7 +130,7 @@ class ZeroEngine:
         shard = self.dp_rank if self.stage >= 1 else 0
         for pg, params in zip(self.optimizer.param_groups, self._trainable_groups()):
             layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
-            fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device)
+            fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device, **self._group_kwargs())
             pg["params"] = [fg.master]
             if hasattr(self.optimizer, "bind_flat_params"):  # tensor boundaries for per-tensor math (1-bit LAMB)
                 self.optimizer.bind_flat_params(fg.master, [(s.offset, s.numel) for s in layout.slots], num_shards > 1)
@@ -138,6 +139,10 @@ class ZeroEngine:
     def _setup_grad_storage(self) -> None:
         for fg in self.groups:
             fg.attach_full_grad(self.compute_dtype)
+
+    def _group_kwargs(self) -> dict[str, object]:
+        """Extra arguments of the param-group buffers (offload/engine.py places masters in host memory)."""
+        return {}
 
     def _stash_grad(self, gi: int, si: int, param: Tensor) -> None:
         """Make sure the gradient lives in the flat buffer (user code may have replaced ``.grad``)."""
@@ -249,6 +254,13 @@ class ZeroEngine:
         coef = 1.0 / scale
         if clip_val is not None and clip_val > 0:
             coef *= min(1.0, clip_val / (norm + 1e-6))
+        self._step_masters(grads, coef)
+        self._write_back()
+        self._zero_grads()
+        return True
+
+    def _step_masters(self, grads: list[Tensor], coef: float) -> None:
+        """Scale the gradients by ``coef`` (unscale and clip) and step the masters (offload: on the CPU)."""
         for fg, g in zip(self.groups, grads):
             if coef != 1.0:
                 g.mul_(coef)
@@ -256,9 +268,16 @@ class ZeroEngine:
         self.optimizer.step()
         for fg in self.groups:
             fg.master.grad = None
-        self._write_back()
-        self._zero_grads()
-        return True
+
+    @contextmanager
+    def host_state(self) -> Generator[None, None, None]:
+        """Masters and optimizer state readable and writable inside the block. A no-op here; NVMe
+        offload swaps them in and back out (checkpoints go through this: zero/state_dict.py)."""
+        yield
+
+    def teardown(self) -> None:
+        """End of a fit/validate/test (the engine stays for later checkpoints); offload finishes its
+        delayed step and releases swap files here."""
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -10,13 +10,16 @@ is re-pointed at ``master`` (the fp32 shard this rank owns), which is why any el
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.zero.partition import FlatLayout
+
+BufferFactory = Callable[[int, torch.dtype], Tensor]
+"""Allocates a zeroed 1-D buffer of ``numel`` elements (offload passes pinned host memory)."""
 
 
 class FlatParamGroup:
@@ -30,6 +33,7 @@ class FlatParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         master_dtype: torch.dtype = torch.float32,
+        master_factory: Optional[BufferFactory] = None,
     ) -> None:
         self.params = params
         self.layout = layout
@@ -37,9 +41,11 @@ class FlatParamGroup:
         self.compute_dtype = compute_dtype
         self.device = device
         self.flat_param = torch.zeros(layout.total, dtype=compute_dtype, device=device)
-        self.shares_master = layout.num_shards == 1 and compute_dtype == master_dtype
+        self.shares_master = layout.num_shards == 1 and compute_dtype == master_dtype and master_factory is None
         if self.shares_master:
             self.master = self.flat_param
+        elif master_factory is not None:
+            self.master = master_factory(layout.shard_numel, master_dtype)
         else:
             self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
         # master first, from the original (full precision) values, then the 16-bit copy.

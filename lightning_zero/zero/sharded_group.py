@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.zero.flat_group import BufferFactory
 from lightning_zero.zero.partition import FlatLayout
 
 
@@ -34,16 +35,25 @@ class ShardedParamGroup:
         compute_dtype: torch.dtype,
         device: torch.device,
         master_dtype: torch.dtype = torch.float32,
+        master_factory: Optional[BufferFactory] = None,
+        shard16_factory: Optional[BufferFactory] = None,
     ) -> None:
+        """``shard16_factory`` (offload) always creates a separate gather source, even in fp32, where
+        it may live elsewhere than the master (device or pinned host memory)."""
         self.params = params
         self.layout = layout
         self.shard = shard
         self.compute_dtype = compute_dtype
         self.device = device
-        self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
-        self.shard16: Optional[Tensor] = (
-            torch.zeros(layout.shard_numel, dtype=compute_dtype, device=device) if compute_dtype != master_dtype else None
-        )
+        if master_factory is not None:
+            self.master = master_factory(layout.shard_numel, master_dtype)
+        else:
+            self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        self.shard16: Optional[Tensor] = None
+        if shard16_factory is not None:
+            self.shard16 = shard16_factory(layout.shard_numel, compute_dtype)
+        elif compute_dtype != master_dtype:
+            self.shard16 = torch.zeros(layout.shard_numel, dtype=compute_dtype, device=device)
         self.full: list[Tensor] = []
         for b in layout.buckets:
             buf = torch.empty(b.numel, dtype=compute_dtype, device=device)

@@ -73,7 +73,7 @@ class Stage3Engine(Stage2Engine):
         for gi, (pg, params) in enumerate(zip(self.optimizer.param_groups, per_group)):
             keys = [owner[id(p)] for p in params]
             layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, self.dp_size, align=8)
-            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device)
+            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device, **self._group_kwargs())
             for key, bi in bucket_of.items():
                 unit = self.units[key]
                 unit.buckets.append((gi, bi))
@@ -116,7 +116,7 @@ class Stage3Engine(Stage2Engine):
             for gi, bi in unit.buckets:
                 fg = self.groups[gi]
                 buf = fg.allocate(bi)
-                works.append(C.all_gather(buf, fg.gather_source(bi), self.param_group, async_op=True))
+                works.append(C.all_gather(buf, self._gather_source(gi, bi), self.param_group, async_op=True))
             self._pending[unit.index] = works
             self._gathered.add(unit.index)
             self.live_numel += unit.numel
@@ -125,6 +125,10 @@ class Stage3Engine(Stage2Engine):
             self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
         if wait:
             self._wait(unit)
+
+    def _gather_source(self, gi: int, bi: int) -> Tensor:
+        """This rank's chunk of bucket ``bi`` on the device (offload/engine.py copies it from the host)."""
+        return self.groups[gi].gather_source(bi)
 
     def _wait(self, unit: Unit) -> None:
         works = self._pending.pop(unit.index, None)
@@ -238,9 +242,13 @@ class Stage3Engine(Stage2Engine):
             if idx != ROOT:
                 self.release(self.units[idx])
 
-    def _write_back(self) -> None:
+    def _refresh_shards(self) -> None:
+        """The 16-bit gather sources from the updated masters (offload/engine.py uploads them instead)."""
         for fg in self.groups:
             fg.refresh_shard16()
+
+    def _write_back(self) -> None:
+        self._refresh_shards()
         self.release(self.units[ROOT])
         for unit in self.units:
             if unit.persistent:

@@ -10,7 +10,8 @@ rank takes part; rank 0 writes), loading slices each rank's shard out again. So 
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +19,21 @@ from torch import Tensor
 from lightning_zero.comm import collectives as C
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.flat_group import FlatParamGroup
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _in_host_state(fn: _F) -> _F:
+    """Run ``fn(engine, ...)`` inside ``engine.host_state()``: NVMe-offloaded masters and optimizer
+    states are swapped in for it (and written back after a load)."""
+
+    @functools.wraps(fn)
+    def wrapper(engine: ZeroEngine, *args: Any, **kwargs: Any) -> Any:
+        with engine.host_state():
+            return fn(engine, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _is_sharded(engine: ZeroEngine) -> bool:
@@ -29,6 +45,13 @@ def gather_flat(engine: ZeroEngine, fg: FlatParamGroup, shard: Tensor) -> Tensor
     if fg.layout.num_shards == 1:
         return shard
     full = shard.new_empty(fg.layout.total)
+    device = C.device_for(engine.dp_group, engine.device)
+    if shard.device != device:  # offloaded host shard under NCCL: through the device, one bucket at a time
+        for b in fg.layout.buckets:
+            out = torch.empty(b.numel, dtype=shard.dtype, device=device)
+            C.all_gather(out, shard[b.shard_offset : b.shard_offset + b.chunk].to(device), engine.dp_group)
+            full[b.start : b.end].copy_(out)
+        return full
     works = []
     for b in fg.layout.buckets:
         src = shard[b.shard_offset : b.shard_offset + b.chunk].contiguous()
@@ -49,6 +72,7 @@ def scatter_flat(fg: FlatParamGroup, per_param: dict[int, Tensor], dtype: torch.
     return out
 
 
+@_in_host_state
 def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
     """fp32 full value of every trainable parameter, keyed by ``id(param)`` (collective)."""
     out: dict[int, Tensor] = {}
@@ -60,6 +84,7 @@ def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
     return out
 
 
+@_in_host_state
 def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
     """Set the fp32 masters (and the 16-bit parameters) from full values keyed by ``id(param)``."""
     for fg in engine.groups:
@@ -93,6 +118,7 @@ def _torch_ids(engine: ZeroEngine) -> list[dict[int, int]]:
     return per_group
 
 
+@_in_host_state
 def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     """The wrapped optimizer's state in torch's per-parameter format (collective)."""
     opt = engine.optimizer
@@ -119,6 +145,7 @@ def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
+@_in_host_state
 def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
     """Restore state saved by :func:`gather_optimizer_state` (or by a plain torch optimizer)."""
     opt = engine.optimizer

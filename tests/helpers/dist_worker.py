@@ -5,14 +5,16 @@ counts. Usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT NAME
 where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
 bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
 every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
-hysteresis (fp16 loss scaler).
+hysteresis (fp16 loss scaler); offload: oopt, oparams, nvme=1, chunk_mb, dpu (see ``offload_kwargs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -42,6 +44,8 @@ class MemoryProbe(pl.Callback):
         self.grad_bytes = 0
         self.state_bytes = 0
         self.trace = []
+        self.rest_bytes = 0
+        self.max_live_units = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         strategy = trainer.strategy
@@ -53,6 +57,12 @@ class MemoryProbe(pl.Callback):
 
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        with contextlib.ExitStack() as stack:  # NVMe offload: masters and states swapped in to be read
+            for engine in getattr(trainer.strategy, "engines", []):
+                stack.enter_context(engine.host_state())
+            self._record_step(trainer, pl_module, outputs, batch, batch_idx)
+
+    def _record_step(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         strategy = trainer.strategy
         # what the optimizer holds: the parameters under ddp, this rank's fp32 master shards under ZeRO
         # (ZeRO-3's released parameters must not be read outside a gather)
@@ -65,11 +75,37 @@ class MemoryProbe(pl.Callback):
             "dtype": str(next(pl_module.parameters()).dtype), "batch": int(batch[0].sum()),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
         })
+        # model state at rest, after the step: parameters (released ZeRO-3 storage counts 0), masters,
+        # 16-bit shards, gradients and optimizer state, each storage once
+        rest = list(pl_module.parameters()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        for engine in getattr(strategy, "engines", []):
+            for fg in engine.groups:
+                rest += [t for t in (fg.master, getattr(fg, "shard16", None), fg.grad_shard, fg.flat_grad) if t is not None]
+            self.max_live_units = max(self.max_live_units, getattr(engine, "max_live_units_seen", 0))
+        rest += [v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()
+                 if torch.is_tensor(v) and v.dim() > 0]
+        self.rest_bytes = storage_bytes([t for t in rest if t is not None])
         tensors = []
         for opt in trainer.optimizers:
             for st in opt.state.values():
                 tensors += [v for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
         self.state_bytes = max(self.state_bytes, storage_bytes(tensors))
+
+
+def offload_kwargs(opts: dict[str, str]) -> dict[str, object]:
+    """Spec keys oopt/oparams (none|cpu|nvme), nvme (set by ``run`` to a fresh directory), chunk_mb,
+    dpu (delayed parameter update after that many warm-up steps)."""
+    out: dict[str, object] = {}
+    for key, name in (("oopt", "offload_optimizer"), ("oparams", "offload_params")):
+        if key in opts:
+            out[name] = opts[key]
+    if "nvme" in opts:
+        out["nvme_path"] = opts["nvme"]
+    if "chunk_mb" in opts:
+        out["nvme_chunk_mb"] = float(opts["chunk_mb"])
+    if "dpu" in opts:
+        out["delayed_param_update"], out["delayed_param_update_warmup"] = True, int(opts["dpu"])
+    return out
 
 
 def make_trainer(
@@ -91,7 +127,8 @@ def make_trainer(
             else {}
         )
         strategy = lightning_zero.ZeroStrategy(
-            stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3
+            stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3,
+            **offload_kwargs(opts),
         )
         if zp is None:
             plugin_kwargs = {"precision": precision}
@@ -120,6 +157,9 @@ def make_trainer(
 
 def run(name: str, spec: str, out: str) -> None:
     kind, opts = parse(spec)
+    if "nvme" in opts:  # a fresh swap directory per run; what is left in it after fit is reported
+        opts["nvme"] = os.path.join(out, f"{name}_nvme")
+        os.makedirs(opts["nvme"], exist_ok=True)
     pl.seed_everything(0, workers=True)
     n_train = int(opts.get("n_train", 512))
     model = ParityNet(optimizer=opts.get("opt", "adamw"), inject_inf_at=int(opts.get("inject", -1)), n_train=n_train)
@@ -157,11 +197,15 @@ def run(name: str, spec: str, out: str) -> None:
         "grad_bytes": probe.grad_bytes,
         "state_bytes": probe.state_bytes,
         "trace": probe.trace,
+        "rest_bytes": probe.rest_bytes,
+        "max_live_units": probe.max_live_units,
         "resumed_losses": resumed,
         "ckpt_dir": ckpt_dir,
+        "nvme_left": sorted(str(p.relative_to(opts["nvme"])) for p in Path(opts["nvme"]).rglob("*")) if "nvme" in opts else [],
     }
     gathered = [None] * int(os.environ["WORLD_SIZE"])
-    torch.distributed.all_gather_object(gathered, {k: result[k] for k in ("losses", "grad_bytes", "state_bytes")})
+    keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units")
+    torch.distributed.all_gather_object(gathered, {k: result[k] for k in keys})
     if trainer.global_rank == 0:
         result["per_rank"] = gathered
         torch.save(result, os.path.join(out, f"{name}.pt"))

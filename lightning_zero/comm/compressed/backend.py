@@ -145,21 +145,23 @@ class TorchDistBackend:
         if self.world_size == 1:
             return tensor
         dev = errors.worker.device
+        flat = tensor.view(-1)
         with self._timed("kernel_s", dev):
-            x = torch.zeros(layout.padded_numel, dtype=torch.float32, device=dev)
-            x[: layout.numel].copy_(tensor.reshape(-1))
-            send = worker_compress(x, errors, self.compressor)
+            send = worker_compress(flat.to(dev, torch.float32), errors, self.compressor)
         recv = torch.empty_like(send)
         with self._timed("comm_s", dev):
             C.all_to_all(recv.view(-1), send.view(-1), self.group)
         with self._timed("kernel_s", dev):
-            mine = server_reduce(recv, errors, self.compressor)
+            mine, decoded = server_reduce(recv, errors, self.compressor)
         gathered = torch.empty(self.world_size, layout.payload_bytes, dtype=torch.uint8, device=dev)
         with self._timed("comm_s", dev):
             C.all_gather(gathered.view(-1), mine, self.group)
         with self._timed("kernel_s", dev):
-            decompress_gathered(gathered, layout, self.compressor, out=x)
-            tensor.view(-1).copy_(x[: layout.numel])
+            if flat.device == dev and flat.dtype == torch.float32:
+                decompress_gathered(gathered, layout, self.compressor, flat, self.rank, decoded)
+            else:
+                out = torch.empty(layout.numel, dtype=torch.float32, device=dev)
+                flat.copy_(decompress_gathered(gathered, layout, self.compressor, out, self.rank, decoded))
         c = self.counters
         c.calls += 1
         c.bytes_handed += send.numel() + mine.numel()

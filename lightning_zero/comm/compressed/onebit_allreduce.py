@@ -124,23 +124,28 @@ def unpack_payload(row: Tensor, layout: OneBitLayout) -> tuple[Tensor, Tensor]:
     return signs, scales
 
 
-def worker_compress(x: Tensor, errors: ErrorFeedback, compressor: SignCompressor) -> Tensor:
-    """Step 1: add the worker error to the padded vector ``x`` (in place), compress, update the error.
+def worker_compress(m: Tensor, errors: ErrorFeedback, compressor: SignCompressor) -> Tensor:
+    """Step 1: ``x = pad(m) + worker_error``, compressed; ``worker_error = x - decompress(x)``.
 
-    Returns the all-to-all send buffer: one payload row per destination server.
+    ``m`` is flat, on the errors' device. Returns the all-to-all send buffer: one payload row per
+    destination server.
     """
     layout = errors.layout
-    x.add_(errors.worker)
+    n, w = layout.numel, errors.worker
+    x = torch.empty(layout.padded_numel, dtype=torch.float32, device=w.device)
+    torch.add(m, w[:n], out=x[:n])
+    torch.add(w[n:], 0.0, out=x[n:])  # the padding is zero, plus its error
     packed, scales = compressor.compress(x, layout.block)
-    compressor.decompress(packed, scales, layout.padded_numel, layout.block, out=errors.worker)
-    errors.worker.neg_().add_(x)  # x - decompress(x), exactly: IEEE a + (-b) == a - b
+    compressor.decompress(packed, scales, layout.padded_numel, layout.block, out=w)
+    torch.sub(x, w, out=w)
     return pack_payload(packed, scales, layout, layout.world)
 
 
-def server_reduce(received: Tensor, errors: ErrorFeedback, compressor: SignCompressor) -> Tensor:
+def server_reduce(received: Tensor, errors: ErrorFeedback, compressor: SignCompressor) -> tuple[Tensor, Tensor]:
     """Step 3: average the N compressed copies of this rank's chunk, error-compensate, re-compress.
 
-    ``received`` is the all-to-all output (row i came from rank i); returns this server's message.
+    ``received`` is the all-to-all output (row i came from rank i). Returns this server's message
+    and its decompressed value (this rank's piece of the result, so it is not decoded twice).
     """
     layout = errors.layout
     n = layout.server_numel
@@ -153,17 +158,32 @@ def server_reduce(received: Tensor, errors: ErrorFeedback, compressor: SignCompr
             acc.add_(tmp)
     acc.div_(layout.world).add_(errors.server)
     packed, scales = compressor.compress(acc, layout.block)
-    compressor.decompress(packed, scales, n, layout.block, out=errors.server)
-    errors.server.neg_().add_(acc)
-    return pack_payload(packed, scales, layout, 1).view(-1)
+    compressor.decompress(packed, scales, n, layout.block, out=tmp)
+    torch.sub(acc, tmp, out=errors.server)
+    return pack_payload(packed, scales, layout, 1).view(-1), tmp
 
 
-def decompress_gathered(gathered: Tensor, layout: OneBitLayout, compressor: SignCompressor, out: Tensor) -> Tensor:
-    """Step 4: every server's message (row j from rank j) back into the padded fp32 vector ``out``."""
-    n = layout.server_numel
+def decompress_gathered(
+    gathered: Tensor, layout: OneBitLayout, compressor: SignCompressor, out: Tensor, rank: int, own: Tensor
+) -> Tensor:
+    """Step 4: every server's message (row j from rank j) into the flat ``numel``-element ``out``;
+    this rank's chunk is ``own``, already decoded by :func:`server_reduce`."""
+    s, n = layout.server_numel, layout.numel
+    spare: Optional[Tensor] = None
     for j in range(layout.world):
+        lo, hi = j * s, min((j + 1) * s, n)
+        if hi <= lo:
+            continue  # a chunk of padding only (tiny vectors)
+        if j == rank:
+            out[lo:hi].copy_(own[: hi - lo])
+            continue
         signs, scales = unpack_payload(gathered[j], layout)
-        compressor.decompress(signs, scales, n, layout.block, out=out[j * n : (j + 1) * n])
+        if hi - lo == s:
+            compressor.decompress(signs, scales, s, layout.block, out=out[lo:hi])
+        else:
+            spare = spare if spare is not None else torch.empty(s, dtype=torch.float32, device=out.device)
+            compressor.decompress(signs, scales, s, layout.block, out=spare)
+            out[lo:hi].copy_(spare[: hi - lo])
     return out
 
 

@@ -5,7 +5,7 @@ interface below, so the algorithm does not care where the bits are packed:
 
 * :class:`KernelSignCompressor` delegates to ``lightning_zero.ops.pack_signs``/``unpack_signs``
   (the compiled CPU/CUDA kernels of csrc/compression, which fall back to their own pure-torch
-  reference when they cannot be built);
+  reference when they cannot be built), except unpacking on the CPU (see [Note: CPU unpack]);
 * :class:`TorchSignCompressor` is plain torch, a few vectorised ops, and needs nothing else.
 
 Both encode the same format (bit k of byte j is element 8j+k, 1 for ``x >= 0`` including -0.0;
@@ -83,11 +83,39 @@ class TorchSignCompressor:
 
     def decompress(self, packed: Tensor, scales: Tensor, numel: int, block: int, out: Tensor) -> Tensor:
         _check(block, self.scale)
-        shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        bits = ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:numel].bool()
-        per_element = scales.float().repeat_interleave(block)[:numel]
-        out.view(-1).copy_(torch.where(bits, per_element, -per_element))
-        return out
+        return lut_decompress(packed, scales, numel, block, out)
+
+
+def _sign_table(device: torch.device) -> Tensor:
+    """(256, 8) float32: row b holds +1/-1 for the 8 bits of byte b, least significant first."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return bits.float().mul_(2.0).sub_(1.0)
+
+
+def lut_decompress(packed: Tensor, scales: Tensor, numel: int, block: int, out: Tensor) -> Tensor:
+    """Unpack through a 256-entry table of sign patterns, then one multiply by the block scales.
+
+    [Note: CPU unpack] ``index_select`` gathers 32 bytes per packed byte at copy speed; measured on
+    the 2-core CI machine for 3.2 M elements: 15 ms, against 40-60 ms for the compiled CPU unpack
+    kernel (and 3 ms for a plain copy). ``scale * (+-1.0)`` is exact, so both give the same bits.
+    """
+    table = _sign_table(packed.device)
+    packed = packed.reshape(-1)
+    flat = out.view(-1)
+    full = numel // block * block
+    step = max(1, _LUT_PIECE // block) * block  # pieces keep the +-1 temporary in cache
+    for lo in range(0, full, step):
+        hi = min(lo + step, full)
+        signs = torch.index_select(table, 0, packed[lo // 8 : hi // 8].int()).view(-1, block)
+        torch.mul(signs, scales[lo // block : hi // block, None], out=flat[lo:hi].view(-1, block))
+    if numel > full:
+        signs = torch.index_select(table, 0, packed[full // 8 :].int()).view(-1)
+        torch.mul(signs[: numel - full], scales[full // block], out=flat[full:numel])
+    return out
+
+
+_LUT_PIECE = 1 << 18
+"""Elements unpacked per piece (1 MiB of +-1 floats)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,8 @@ class KernelSignCompressor:
 
     scale: ScaleMode = "rms"
     name: str = "kernel"
+    cpu_unpack: Literal["lut", "kernel"] = "lut"
+    """Unpacking on the CPU: the table lookup (faster here, see [Note: CPU unpack]) or the kernel."""
 
     def __post_init__(self) -> None:
         _check(8, self.scale)
@@ -106,6 +136,8 @@ class KernelSignCompressor:
         return pack_signs(x, block, self.scale)
 
     def decompress(self, packed: Tensor, scales: Tensor, numel: int, block: int, out: Tensor) -> Tensor:
+        if out.device.type == "cpu" and self.cpu_unpack == "lut":
+            return lut_decompress(packed, scales, numel, block, out)  # see [Note: CPU unpack]
         from lightning_zero.ops import unpack_signs
 
         unpack_signs(packed, scales, numel, block, out=out.view(-1))

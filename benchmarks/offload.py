@@ -1,0 +1,281 @@
+"""Offload benchmark: lightning_zero's ZeRO-Offload/Infinity against Lightning's peers, side by side.
+
+Trains the example GPT (``examples/gpt.py``) for a few steps per configuration, each in its own process
+(CUDA memory, pinned pools and DeepSpeed's global state never leak into the next one), and prints a
+markdown table: tokens/s, seconds per step, peak GPU memory, peak host memory (RSS), and the ratios the
+offload issue targets (``zero3_offload`` >= 2x ``fsdp_cpu_offload`` and >= 5x ``deepspeed_stage_3_offload``;
+``zero2_offload`` >= 0.75x ``zero2``). On the GPU machine::
+
+    python benchmarks/offload.py --model gpt_2.65b --micro-batch 8
+    python benchmarks/offload.py --model gpt_1b --micro-batch 16 --configs zero2,zero2_offload
+    python benchmarks/offload.py --model gpt_6b --configs zero3_offload --steps 5 --warmup 1   # largest model
+    python benchmarks/offload.py --model gpt_10b --configs zero3_offload_nvme --nvme-path /local_nvme --steps 5
+    python benchmarks/offload.py --device cpu --model tiny --steps 2 --warmup 1               # CPU smoke mode
+
+Models: any ``conf/model/<name>.yaml`` (``gpt_tiny``/``tiny``, ``gpt_small``, ``gpt_1b``) or one of the
+built-in shapes below (GPT-2 vocabulary, seq 1024). Models are built in ``configure_model`` (sharded
+initialisation where the strategy supports it), trained on random tokens with AdamW, bf16-mixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+SHAPES: dict[str, dict[str, int]] = {
+    "gpt_2.65b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=2560, seq_len=1024),
+    "gpt_6b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=4096, seq_len=1024),
+    "gpt_10b": dict(vocab_size=50304, n_layer=48, n_head=32, d_model=4096, seq_len=1024),
+    "gpt_13b": dict(vocab_size=50304, n_layer=40, n_head=40, d_model=5120, seq_len=1024),
+}
+"""Shapes beyond conf/model: the issue's 2.65B workload and the 'largest model' candidates."""
+
+ALIASES = {"tiny": "gpt_tiny", "small": "gpt_small", "1b": "gpt_1b"}
+
+ZERO = {
+    "zero2": dict(stage=2),
+    "zero3": dict(stage=3),
+    "zero1_offload": dict(stage=1, offload_optimizer="cpu"),
+    "zero2_offload": dict(stage=2, offload_optimizer="cpu"),
+    "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "zero3_offload_dpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_param_update=True,
+                              delayed_param_update_warmup=2),
+    "zero3_offload_opt": dict(stage=3, offload_optimizer="cpu"),
+    "zero3_offload_nvme": dict(stage=3, offload_optimizer="nvme", offload_params="nvme"),
+    "zero3_offload_nvme_opt": dict(stage=3, offload_optimizer="nvme", offload_params="cpu"),
+}
+PEERS = ("fsdp_cpu_offload", "deepspeed_stage_3_offload")
+DEFAULT = ("zero3_offload", "zero3_offload_dpu", "fsdp_cpu_offload", "deepspeed_stage_3_offload")
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def model_shape(name: str) -> dict[str, Any]:
+    name = ALIASES.get(name, name)
+    if name in SHAPES:
+        return dict(SHAPES[name])
+    path = Path(name) if name.endswith((".yaml", ".yml")) else REPO / "conf" / "model" / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"unknown --model {name!r}: use {sorted(SHAPES)} or a conf/model preset")
+    out: dict[str, Any] = {}
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if ":" in line:
+            key, value = (x.strip() for x in line.split(":", 1))
+            out[key] = value.lower() == "true" if value.lower() in ("true", "false") else int(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the strategy, train warmup + steps on random tokens, return timings and memory."""
+    for p in (REPO, REPO / "examples"):
+        sys.path.insert(0, str(p))
+    import lightning.pytorch as L
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    from gpt import GPT, GPTModule
+
+    cfg = model_shape(args.model)
+    cuda = args.device == "cuda"
+
+    class LazyGPT(GPTModule):
+        """The network is built in configure_model: sharded initialisation under ZeRO-3/FSDP/DeepSpeed."""
+
+        def _build_model(self) -> Any:
+            return None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = GPT(self.config)
+
+    class RandomTokens(Dataset):
+        def __len__(self) -> int:
+            return 10**6
+
+        def __getitem__(self, i: int) -> Any:
+            g = torch.Generator().manual_seed(i)
+            row = torch.randint(0, cfg["vocab_size"], (cfg["seq_len"] + 1,), generator=g)
+            return row[:-1], row[1:]
+
+    class Timer(L.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.t0 = 0.0
+
+        def on_train_batch_start(self, *a: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.t0)
+
+    strategy: Any
+    if args.config in ZERO:
+        from lightning_zero import ZeroStrategy
+
+        kw = dict(ZERO[args.config])
+        if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_params")):
+            kw["nvme_path"] = args.nvme_path
+        strategy = ZeroStrategy(**kw)
+    elif args.config == "fsdp_cpu_offload":
+        if not cuda:
+            return {"status": "skipped", "reason": "FSDP CPU offload needs CUDA"}
+        from gpt import Block
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    elif args.config == "deepspeed_stage_3_offload":
+        if not cuda:
+            return {"status": "skipped", "reason": "DeepSpeed offload needs CUDA"}
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as err:  # not installed or not importable: a row with the reason
+            return {"status": "skipped", "reason": f"deepspeed not importable: {type(err).__name__}: {err}"[:200]}
+        strategy = "deepspeed_stage_3_offload"
+    else:
+        raise SystemExit(f"unknown config {args.config}")
+
+    L.seed_everything(0)
+    module = LazyGPT(cfg, max_steps=args.warmup + args.steps, warmup_steps=2)
+    timer = Timer()
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, precision="bf16-mixed",
+        max_steps=args.warmup + args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
+    )
+    loader = DataLoader(RandomTokens(), batch_size=args.micro_batch, num_workers=2 if cuda else 0)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, train_dataloaders=loader)
+    timed = timer.times[args.warmup:]
+    step_s = sum(timed) / max(1, len(timed))
+    params = sum(p.numel() for p in module.parameters())
+    return {
+        "status": "ok", "params": params, "step_s": step_s,
+        "tokens_per_s": args.micro_batch * cfg["seq_len"] / step_s if step_s else 0.0,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- parent
+def run_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        cmd = [sys.executable, __file__, "--worker", "--config", config, "--json", out.name, "--model", args.model,
+               "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--device", args.device, "--nvme-path", args.nvme_path]
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
+                                  env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+        except subprocess.TimeoutExpired:
+            return {"config": config, "status": "failed", "reason": f"timeout after {args.config_timeout_s:.0f}s"}
+        text = Path(out.name).read_text()
+    if proc.returncode != 0 or not text:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"config": config, "status": "failed", "reason": " / ".join(tail)[:300]}
+    rec = json.loads(text)
+    rec.update(config=config, wall_s=time.time() - t0)
+    return rec
+
+
+def table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    def f(x: Optional[float], fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    ok = {r["config"]: r for r in records if r.get("status") == "ok"}
+    params = next((r["params"] for r in ok.values()), None)
+    lines = [
+        f"Offload benchmark: model {args.model} ({f(params / 1e9 if params else None, '.2f')}B parameters), "
+        f"micro-batch {args.micro_batch}, bf16-mixed, 1 {args.device.upper()}, {args.steps} timed steps after "
+        f"{args.warmup} warm-up.",
+        "",
+        "| config | tokens/s | s/step | GPU peak (GiB) | host peak RSS (GiB) | status |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for r in records:
+        if r.get("status") == "ok":
+            lines.append(f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {f(r['gpu_peak_gib'], '.1f')} | "
+                         f"{r['host_peak_gib']:.1f} | ok |")
+        else:
+            lines.append(f"| {r['config']} | - | - | - | - | {r['status']}: {r.get('reason', '')} |")
+    targets = [("zero3_offload", "fsdp_cpu_offload", 2.0), ("zero3_offload", "deepspeed_stage_3_offload", 5.0),
+               ("zero3_offload_dpu", "fsdp_cpu_offload", 2.0), ("zero2_offload", "zero2", 0.75)]
+    checks = []
+    for a, b, want in targets:
+        if a in ok and b in ok:
+            ratio = ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"]
+            checks.append(f"- {a} / {b}: {ratio:.2f}x (target >= {want}x): {'PASS' if ratio >= want else 'FAIL'}")
+    if checks:
+        lines += ["", *checks]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {sorted(ZERO) + list(PEERS)}")
+    p.add_argument("--model", default="gpt_2.65b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="nvme_path of the *_nvme configs")
+    p.add_argument("--config-timeout-s", type=float, default=900.0)
+    p.add_argument("--out", type=Path, default=None, help="also write the records (JSON) and table here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        try:
+            rec = worker(args)
+        except Exception as err:  # OOM, a peer's failure: a row with the reason, never a crashed run
+            traceback.print_exc()
+            rec = {"status": "failed", "reason": f"{type(err).__name__}: {err}"[:300]}
+        Path(args.json).write_text(json.dumps(rec))
+        return 0
+    if args.configs:
+        configs = args.configs.split(",")
+    elif args.device == "cpu":
+        configs = ["zero2", "zero2_offload", "zero3_offload", "zero3_offload_dpu", "zero3_offload_nvme", *PEERS]
+    else:
+        configs = list(DEFAULT)
+    unknown = [c for c in configs if c not in ZERO and c not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown configs {unknown}; choose from {sorted(ZERO) + list(PEERS)}")
+    records = []
+    for config in configs:
+        print(f"[offload benchmark] {config} ...", file=sys.stderr, flush=True)
+        records.append(run_config(args, config))
+    text = table(records, args)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "offload.json").write_text(json.dumps(records, indent=1))
+        (args.out / "offload.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

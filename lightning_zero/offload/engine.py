@@ -1,0 +1,534 @@
+"""Offload mixed into the ZeRO engines: what changes when masters, states and partitions leave the device.
+
+``offload_engine(ENGINES[stage])`` returns the stage's engine with :class:`OffloadMixin` (stages 1-3)
+and, for stage 3, :class:`ParamOffloadMixin` in front. They override only the engine's marked steps,
+in the order a step runs them:
+
+1. construction (``_group_kwargs``): masters in host memory (NVMe: swapped out once built); stage 3's
+   gather source ``shard16`` on the device, in pinned host memory, or in swap files;
+2. ``_reduce_scatter_into_shard``: each reduced gradient chunk is copied device-to-host into the
+   pinned landing buffer as soon as its reduce-scatter finishes (CUDA: on a side stream that waits
+   for the collective, overlapping the rest of backward); its squared norm is summed on the device;
+3. ``global_grad_norm_sq`` / ``_master_grads``: the norm from the device sums (one micro-batch) or
+   from the host gradients (accumulated);
+4. ``_step_masters``: the CPU step (cpu.py; NVMe: swap_state.py's chunk pipeline), writing the
+   16-bit result into the pinned upload buffer; with the delayed update it runs in a background
+   thread and the upload of the *previous* step's result happens instead;
+5. ``_write_back`` (stages 1-2) / ``_refresh_shards`` (stage 3): host-to-device upload, then the
+   stage's own all-gather (1-2) or nothing more (3: the next forward gathers unit by unit, copying
+   each unit's chunk to the device first through ``_gather_source``).
+
+[Note: one code path on CPU]
+On a CPU-only machine "device" and "host" are both CPU memory, but every buffer above is still a
+separate allocation and every copy still happens, so CI runs the offload code paths (and NVMe
+swapping fully) exactly as a GPU machine does; only streams, events and pinning are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Generator, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.offload import estimator as est
+from lightning_zero.offload.cpu import (
+    AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
+)
+from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
+from lightning_zero.offload.params import NvmeParamStore, stage_to_device
+from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
+from lightning_zero.offload.swap_state import NvmeOptimizerStore
+from lightning_zero.zero.engine import ZeroEngine, _Pending
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """The offload part of ZeroConfig, plus where this rank runs (passed in by the strategy)."""
+
+    optimizer: str
+    params: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = True
+    nvme_chunk_mb: float = 256.0
+    nvme_io_threads: int = 4
+    delayed_update: bool = False
+    delayed_update_warmup: int = 10
+    ranks_per_node: int = 1
+    global_rank: int = 0
+
+    @classmethod
+    def from_config(cls, config: Any, ranks_per_node: int, global_rank: int) -> "OffloadSettings":
+        return cls(
+            config.offload_optimizer, config.offload_params, config.nvme_path, config.pin_memory,
+            config.nvme_chunk_mb, config.nvme_io_threads, config.delayed_param_update,
+            config.delayed_param_update_warmup, ranks_per_node, global_rank,
+        )
+
+    @property
+    def uses_nvme(self) -> bool:
+        return "nvme" in (self.optimizer, self.params)
+
+
+class OffloadMixin:
+    """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class."""
+
+    # attributes of ZeroEngine this mixin relies on (for readers and type checkers)
+    groups: list
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    compute_dtype: torch.dtype
+    dp_group: Optional[C.ProcessGroup]
+    dp_size: int
+    stage: int
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
+                 compute_dtype: torch.dtype, device: torch.device, bucket_numel: int, *args: Any,
+                 offload: OffloadSettings, **kwargs: Any) -> None:
+        self.offload = offload
+        self._pin = can_pin(device, offload.pin_memory)
+        self.host = HostPool(pin=self._pin)
+        self._accumulating = False
+        self._check_resources(optimizer, dp_group, compute_dtype, bucket_numel)
+        self._swapper: Optional[NvmeSwapper] = None
+        if offload.uses_nvme:
+            self._swapper = NvmeSwapper(SwapDir(_nvme_dir(offload), offload.global_rank), offload.nvme_io_threads)
+            self._finalizer = weakref.finalize(self, self._swapper.close)
+        self._swap_closed = False
+        super().__init__(optimizer, dp_group, compute_dtype, device, bucket_numel, *args, **kwargs)  # type: ignore[call-arg]
+        self._setup_offload()
+
+    # ---------------------------------------------------------------- construction
+    def _workload(self, optimizer: torch.optim.Optimizer, dp_size: int, compute_dtype: torch.dtype,
+                  bucket_numel: int) -> est.Workload:
+        seen: set[int] = set()
+        total = 0
+        for pg in optimizer.param_groups:
+            for p in pg["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    total += p.numel()
+        return est.Workload(
+            total, gpus_per_node=dp_size, compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
+            bucket_numel=bucket_numel, delayed_update=self.offload.delayed_update,
+            accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(),
+        )
+
+    def _chunk_numel(self) -> int:
+        return max(1, int(self.offload.nvme_chunk_mb * 2**20) // 4)
+
+    def _check_resources(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
+                         compute_dtype: torch.dtype, bucket_numel: int) -> None:
+        """Host memory and NVMe space, before anything is allocated (the estimator's figures)."""
+        o = self.offload
+        setting = est.Setting(self.stage, o.optimizer, o.params)
+        w = self._workload(optimizer, C.world_size(dp_group), compute_dtype, bucket_numel)
+        host = est.offload_host_bytes_per_rank(setting, w)
+        if o.optimizer == "nvme":
+            host += 4 * w.shard  # the masters are built in host memory once, then swapped out
+        advice = (
+            "Set offload_optimizer='nvme' (and offload_params='nvme') with nvme_path on a local disk, set "
+            "pin_memory=False if the host is short of page-lockable memory, or train on more ranks/nodes."
+            if o.optimizer == "cpu" or o.params == "cpu" else
+            "Lower nvme_chunk_mb, or train on more ranks/nodes."
+        )
+        what = (f"offload_optimizer={o.optimizer!r}, offload_params={o.params!r}: fp32 masters, optimizer "
+                "states and gradient/parameter buffers for this rank's partition")
+        check_host_memory(int(host), o.ranks_per_node, what, advice, available=available_host_bytes())
+        if o.uses_nvme:
+            need = int(est.nvme_bytes_per_rank(setting, w) * o.ranks_per_node)
+            check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.optimizer!r}, offload_params={o.params!r}, "
+                            f"{o.ranks_per_node} rank(s) on this node")
+
+    def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
+        # fp32 training without an upload buffer uploads straight from the masters: pin them then
+        pinned = self.offload.optimizer == "cpu" and self.compute_dtype == torch.float32 and not self.offload.delayed_update
+        return self.host.zeros(numel, dtype) if pinned else torch.zeros(numel, dtype=dtype)
+
+    def _group_kwargs(self) -> dict[str, object]:
+        return {"master_factory": self._host_master}
+
+    def _setup_offload(self) -> None:
+        o = self.offload
+        dpu = o.delayed_update
+        self._grads = [HostGradShard(fg.layout.shard_numel, self.compute_dtype, self.host.empty, spares=int(dpu))
+                       for fg in self.groups]
+        self._hypers_ok = all(adam_hyper(self.optimizer, pg) is not None for pg in self.optimizer.param_groups)
+        if dpu and not self._hypers_ok:
+            raise ValueError(
+                "delayed_param_update needs torch.optim.Adam/AdamW or lightning_zero.optim.CPUAdam (without amsgrad/"
+                f"maximize); got {type(self.optimizer).__name__}. Set delayed_param_update=False."
+            )
+        self._op = load_adam_op() if self._hypers_ok else None
+        self._uploads: list[list[Tensor]] = [[] for _ in self.groups]
+        need_upload = self.compute_dtype != torch.float32 or o.optimizer == "nvme" or dpu
+        for gi, fg in enumerate(self.groups):
+            if need_upload and not self._upload_is_shard16(fg):
+                self._uploads[gi] = [self.host.empty(fg.layout.shard_numel, self.compute_dtype) for _ in range(1 + dpu)]
+        self._up = 0
+        """Index of the upload buffer the next (synchronous or background) step writes."""
+        self._upload_pending = False
+        self._upload_from = 0
+        self._out_valid = True
+        self._backwards = 0
+        self._dev_sq: Optional[Tensor] = None
+        self._steps = 0
+        self._d2h = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._h2d_events: dict[int, Any] = {}
+        self._dpu_pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "lz-dpu") if dpu else None
+        self._dpu_future: Optional[Future] = None
+        self._dpu_up = 0
+        self._opt_store: Optional[NvmeOptimizerStore] = None
+        if o.optimizer == "nvme":
+            assert self._swapper is not None
+            self._opt_store = NvmeOptimizerStore(self._swapper, [fg.master for fg in self.groups], self.optimizer,
+                                                 self._chunk_numel())
+            self._opt_store.swap_out_masters()
+
+    def _upload_is_shard16(self, fg: Any) -> bool:
+        """Stage 3 with parameters in host memory: the CPU step writes the partitions in place."""
+        return False
+
+    # ---------------------------------------------------------------- backward: gradients to the host
+    def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
+        if any(hg.fresh for hg in self._grads):  # a new micro-batch: keep the previous one (accumulation)
+            self._sync_d2h()
+            for hg in self._grads:
+                hg.fold()
+        fg = self.groups[gi]
+        b = fg.layout.buckets[bi]
+        bucket.div_(self.dp_size)
+        out = bucket.new_empty(b.chunk)
+        work = C.reduce_scatter(out, bucket, self.dp_group, async_op=True)
+        dst = self._grads[gi].landing[b.shard_offset : b.shard_offset + b.chunk]
+        if self._d2h is not None:  # the side stream waits for the collective, then copies; backward goes on
+            with torch.cuda.stream(self._d2h):
+                work.wait()
+                dst.copy_(out, non_blocking=True)
+            out.record_stream(self._d2h)
+
+        def finalize() -> None:
+            if self._d2h is None:
+                dst.copy_(out)  # the device-to-host copy (a separate host buffer on CPU too)
+            sq = out.float().pow(2).sum()
+            self._dev_sq = sq if self._dev_sq is None else self._dev_sq + sq
+            if after is not None:
+                after()
+
+        return _Pending(work, finalize)
+
+    def _sync_d2h(self) -> None:
+        if self._d2h is not None:
+            self._d2h.synchronize()
+
+    def post_backward(self) -> None:
+        syncing = self._syncing  # type: ignore[attr-defined]
+        super().post_backward()  # type: ignore[misc]
+        if syncing:
+            for hg in self._grads:
+                hg.fresh = True
+            self._backwards += 1
+
+    def _master_grads(self) -> list[Tensor]:
+        self._sync_d2h()
+        return [hg.value() for hg in self._grads]
+
+    def global_grad_norm_sq(self, grads: Any) -> Tensor:
+        if self._backwards == 1 and self._dev_sq is not None:
+            local = self._dev_sq.sqrt().reshape(1)  # summed on the device as the chunks arrived
+        else:
+            local = torch.tensor([math.sqrt(sum_of_squares(list(grads)))], device=self.device)
+        return super().global_grad_norm_sq([local])  # type: ignore[misc]
+
+    def _zero_grads(self) -> None:
+        super()._zero_grads()  # type: ignore[misc]
+        for hg in self._grads:
+            hg.reset()
+        self._backwards = 0
+        self._dev_sq = None
+
+    # ---------------------------------------------------------------- the CPU step
+    def _step_masters(self, grads: list[Tensor], coef: float) -> None:
+        self._steps += 1
+        if self._dpu_pool is None or self._steps <= self.offload.delayed_update_warmup:
+            self._wait_h2d(self._up)
+            self._cpu_step(grads, coef, self._up)
+            self._upload_from, self._upload_pending = self._up, True
+            return
+        # delayed update: upload the previous step's result, run this step in the background
+        if self._dpu_future is not None:
+            self._dpu_future.result()
+            self._upload_from, self._upload_pending = self._dpu_up, True
+        else:
+            self._upload_pending = False
+        nxt = 1 - self._upload_from if self._upload_pending else 1 - self._up
+        self._wait_h2d(nxt)
+        hypers = [adam_hyper(self.optimizer, pg) for pg in self.optimizer.param_groups]  # this step's lr
+        for hg in self._grads:
+            hg.rotate()  # the next backward lands elsewhere
+        self._dpu_up = self._up = nxt
+        assert self._dpu_pool is not None
+        self._dpu_future = self._dpu_pool.submit(self._cpu_step, grads, coef, nxt, hypers)
+
+    def _cpu_step(self, grads: list[Tensor], coef: float, up: int,
+                  hypers: Optional[list[Optional[AdamHyper]]] = None) -> None:
+        opt = self.optimizer
+        hypers = hypers or [adam_hyper(opt, pg) for pg in opt.param_groups]
+        outs = [self._upload_buffer(gi, up) for gi in range(len(self.groups))]
+        if not all(h is not None for h in hypers):
+            with self.host_state():
+                generic_step(opt, [fg.master for fg in self.groups], grads, coef)
+                for fg, out in zip(self.groups, outs):
+                    if out is not None:
+                        out.copy_(fg.master)
+            self._out_valid = True
+            return
+        scale = 1.0 / coef
+        threads = torch.get_num_threads()
+        for gi, (fg, grad, out, hyper) in enumerate(zip(self.groups, grads, outs, hypers)):
+            assert hyper is not None
+            store = self._opt_store
+            if store is not None and not store.resident:
+                st = store.placeholder_state(gi)
+                st["step"] += 1
+                step = int(st["step"].item())
+
+                def update(m: Tensor, g: Tensor, ea: Tensor, eas: Tensor, o16: Optional[Tensor],
+                           step: int = step, hyper: AdamHyper = hyper) -> None:
+                    adam_update(self._op, m, g, ea, eas, o16, step, hyper, scale, threads)
+
+                store.adam_step(gi, grad, out, update)
+                continue
+            st = host_adam_state(opt, fg.master)
+            st["step"] += 1
+            out16 = out if out is not None and out.dtype != torch.float32 else None
+            adam_update(self._op, fg.master, grad, st["exp_avg"], st["exp_avg_sq"], out16, int(st["step"].item()),
+                        hyper, scale, threads)
+            if out is not None and out16 is None:
+                out.copy_(fg.master)
+        self._out_valid = True
+
+    def _upload_buffer(self, gi: int, up: int) -> Optional[Tensor]:
+        """Where the step writes group ``gi``'s 16-bit result (None: upload straight from the master)."""
+        bufs = self._uploads[gi]
+        if bufs:
+            return bufs[up % len(bufs)]
+        fg = self.groups[gi]
+        return fg.shard16 if self._upload_is_shard16(fg) else None
+
+    def _upload_source(self, gi: int) -> Tensor:
+        out = self._upload_buffer(gi, self._upload_from)
+        return out if out is not None else self.groups[gi].master
+
+    def _record_h2d(self, up: int) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._h2d_events[up] = ev
+
+    def _wait_h2d(self, up: int) -> None:
+        """The host buffer ``up`` is about to be rewritten: its previous upload must have finished."""
+        ev = self._h2d_events.pop(up, None)
+        if ev is not None:
+            ev.synchronize()
+
+    # ---------------------------------------------------------------- states off the device
+    @contextmanager
+    def host_state(self) -> Generator[None, None, None]:
+        """Masters and optimizer states resident and current inside the block (checkpoints)."""
+        if self._dpu_future is not None:
+            self._dpu_future.result()  # the background step must finish first (its upload stays pending)
+        with ExitStack() as stack:
+            if self._opt_store is not None:
+                stack.enter_context(self._opt_store.host_state())
+            yield
+
+    def teardown(self) -> None:
+        """End of fit/validate/test: finish the background step; bring swapped state back into host
+        memory when it fits there and remove the swap files (else they stay until the engine goes)."""
+        self._finish_delayed_update()
+        if self._swapper is None or self._swap_closed:
+            return
+        stores = [s for s in (self._opt_store, getattr(self, "_param_store", None)) if s is not None]
+        if all(s.resident for s in stores):
+            return
+        need = sum(_resident_bytes(s) for s in stores)
+        if need > 0.8 * available_host_bytes():
+            log.warning("lightning_zero: NVMe swap files kept after teardown (%.1f GiB would not fit in host memory); "
+                        "they are removed when the strategy is garbage collected or the process exits.", need / 2**30)
+            return
+        try:
+            for s in stores:
+                s.keep_in_memory()
+        except SwapFileError as err:  # training already failed on it: the files are useless, remove them
+            log.error("lightning_zero: swap files removed at teardown, their state is lost: %s", err)
+        self._finalizer()
+        self._swap_closed = True
+
+    def _finish_delayed_update(self) -> None:
+        """Wait for the background step and upload its result (collective on stages 1-2: every rank
+        tears down), so evaluation and export after fit see the final parameters."""
+        if self._dpu_future is None:
+            return
+        self._dpu_future.result()
+        self._dpu_future = None
+        self._upload_from, self._upload_pending = self._dpu_up, True
+        self._write_back()  # type: ignore[attr-defined]
+        self._steps = 0  # a later step starts synchronously again
+
+    def swap_dir(self) -> Optional[str]:
+        return str(self._swapper.dir.path) if self._swapper is not None else None
+
+
+def _resident_bytes(store: Any) -> float:
+    if isinstance(store, NvmeOptimizerStore):
+        return sum(m.numel() * 12 for m in store.masters)
+    return sum(fg.layout.shard_numel * 2 for fg in store.groups)
+
+
+def _nvme_dir(o: OffloadSettings) -> Any:
+    from pathlib import Path
+
+    assert o.nvme_path is not None
+    return Path(o.nvme_path).expanduser()
+
+
+class FlatOffloadMixin(OffloadMixin):
+    """Stages 1-2: after the CPU step, upload this rank's chunks and all-gather the full parameters."""
+
+    def _write_back(self) -> None:
+        if not self._upload_pending:
+            return
+        self._upload_pending = False
+        works = []
+        for gi, fg in enumerate(self.groups):
+            src = self._upload_source(gi)
+            for bi, b in enumerate(fg.layout.buckets):
+                chunk = src[b.shard_offset : b.shard_offset + b.chunk]
+                dst = fg.bucket_view(fg.flat_param, bi)
+                if self.dp_size == 1:
+                    dst.copy_(chunk, non_blocking=True)
+                else:
+                    works.append(C.all_gather(dst, stage_to_device(chunk, self.device, self.compute_dtype),
+                                              self.dp_group, async_op=True))
+        self._record_h2d(self._upload_from)
+        for w in works:
+            w.wait()
+
+
+class ParamOffloadMixin(OffloadMixin):
+    """Stage 3: the 16-bit partitions off the device too (or only the optimizer, params='none')."""
+
+    def _group_kwargs(self) -> dict[str, object]:
+        kwargs = super()._group_kwargs()
+        if self.offload.params == "cpu":
+            kwargs["shard16_factory"] = self.host.zeros
+        elif self.offload.params == "nvme":
+            kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt)  # swapped out once built
+        else:  # a device-side gather source even in fp32 (the fp32 masters are on the host)
+            kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt, device=self.device)
+        return kwargs
+
+    def _upload_is_shard16(self, fg: Any) -> bool:
+        return (self.offload.params == "cpu" and self.compute_dtype != torch.float32
+                and not self.offload.delayed_update and self.offload.optimizer == "cpu")
+
+    def _setup_offload(self) -> None:
+        self._param_store: Optional[NvmeParamStore] = None
+        super()._setup_offload()
+        if self.offload.params == "nvme":
+            assert self._swapper is not None
+            self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin)
+            self._param_store.swap_out()
+
+    def _gather_source(self, gi: int, bi: int) -> Tensor:
+        if self.offload.params == "none":
+            return super()._gather_source(gi, bi)  # type: ignore[misc]
+        fg = self.groups[gi]
+        b = fg.layout.buckets[bi]
+        store = getattr(self, "_param_store", None)
+        if store is not None:
+            host = store.host_chunk(gi, bi)
+        else:
+            assert fg.shard16 is not None
+            host = fg.shard16[b.shard_offset : b.shard_offset + b.chunk]
+        return stage_to_device(host, self.device)
+
+    def _prefetch(self, upcoming: Iterable[int]) -> None:
+        upcoming = list(upcoming)
+        store = getattr(self, "_param_store", None)
+        if store is not None and upcoming:  # read the files of these units and of as many after them
+            units = [u for u in upcoming + self._beyond(upcoming) if u not in self._gathered]  # type: ignore[attr-defined]
+            store.prefetch([key for idx in units for key in self.units[idx].buckets])  # type: ignore[attr-defined]
+        super()._prefetch(upcoming)  # type: ignore[misc]
+
+    def _beyond(self, upcoming: list[int]) -> list[int]:
+        """The units the prefetch after this one will ask for (recorded order; reversed in backward)."""
+        from lightning_zero.zero.stage3 import _in_backward
+
+        order: list[int] = self.order  # type: ignore[attr-defined]
+        k = len(upcoming)
+        if not _in_backward():
+            pos = self._cursor + k  # type: ignore[attr-defined]
+            return order[pos : pos + k]
+        firsts = [max(i for i, u in enumerate(order) if u == idx) for idx in upcoming if idx in order]
+        pos = min(firsts) if firsts else 0
+        return list(reversed(order[max(0, pos - k) : pos]))
+
+    def after_master_load(self) -> None:
+        self._out_valid = False
+        self._upload_pending = True
+        super().after_master_load()  # type: ignore[misc]
+
+    def _refresh_shards(self) -> None:
+        if not self._out_valid:  # masters were loaded (checkpoint): the upload buffers are stale
+            for gi, fg in enumerate(self.groups):
+                out = self._upload_buffer(gi, self._upload_from)
+                if out is not None:
+                    out.copy_(fg.master)
+            self._out_valid = True
+        if not self._upload_pending:
+            return
+        self._upload_pending = False
+        for gi, fg in enumerate(self.groups):
+            src = self._upload_source(gi)
+            if self._param_store is not None:
+                self._param_store.write_group(gi, src)
+            elif src is not fg.shard16:
+                assert fg.shard16 is not None
+                fg.shard16.copy_(src, non_blocking=True)
+        self._record_h2d(self._upload_from)
+
+    @contextmanager
+    def host_state(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            stack.enter_context(super().host_state())
+            if self._param_store is not None:
+                stack.enter_context(self._param_store.host_state())
+            yield
+
+    @contextmanager
+    def gathered_params(self, module: Any = None, writeback: bool = False) -> Generator[None, None, None]:
+        with self.host_state(), super().gathered_params(module, writeback):  # type: ignore[misc]
+            yield
+
+    def unshard_to_plain(self) -> None:
+        with self.host_state():
+            super().unshard_to_plain()  # type: ignore[misc]
+
+
+def offload_engine(base: type[ZeroEngine]) -> type[ZeroEngine]:
+    """``base`` (a stage-1/2/3 engine class) with offload mixed in."""
+    if base.stage == 0:
+        raise ValueError("offload needs ZeRO stage >= 1")
+    mixin = ParamOffloadMixin if base.stage == 3 else FlatOffloadMixin
+    return type(f"Offload{base.__name__}", (mixin, base), {"__doc__": f"{base.__doc__}\n\nWith offload (lightning_zero/offload)."})

@@ -1,0 +1,229 @@
+"""Memory needed per GPU, per node (host RAM) and on NVMe for every ZeRO stage and offload setting.
+
+The figures are the buffers lightning_zero itself allocates (offload/engine.py and zero/ sizes them
+the same way; the engine's host-memory check calls :func:`offload_host_bytes_per_rank`), for
+mixed-precision training with Adam: 16-bit parameters and gradients, fp32 masters, two fp32 moments.
+Activations, the CUDA context, communication buffers and allocator fragmentation come on top and
+depend on batch size and model shape: the figures are the *model state* floor.
+
+Per rank, with P parameters, N data-parallel ranks, S = P / N, c bytes per 16-bit value (4 in fp32)
+and U the largest unit (stage 3: one transformer block):
+
+==========================  ==================================  ======================================
+setting                     device                              host (+ NVMe)
+==========================  ==================================  ======================================
+zero0                       2cP + 12P (fp32: 16P)               -
+zero1                       2cP + 16S                           -
+zero2                       cP + 16S + bucket                   -
+zero3                       cS + 16S + (prefetch + 3) cU        -
+optimizer cpu, stage 1      2cP                                 12S + 2cS (masters, moments, grads, upload)
+optimizer cpu, stage 2      cP + bucket                         same
+optimizer cpu, stage 3      cS + (prefetch + 3) cU              same
++ params cpu                (prefetch + 3) cU                   same (the step writes the partitions in place)
+optimizer nvme              as cpu                              2cS + ring; NVMe 12S
+params nvme                 (prefetch + 3) cU                   staging; NVMe cS
+==========================  ==================================  ======================================
+
+(The upload buffer is omitted in fp32 with the CPU optimizer, whose masters are uploaded directly;
+gradient accumulation adds an fp32 accumulator of 4S; the delayed update doubles grads and upload.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import nn
+
+GIB = 2.0**30
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One stage/offload combination."""
+
+    stage: int
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+
+    @property
+    def name(self) -> str:
+        """The registered strategy name where there is one, else the options spelled out."""
+        base, opt, par = f"zero{self.stage}", self.offload_optimizer, self.offload_params
+        if opt == "none":
+            return base
+        if opt == "cpu" and par == ("none" if self.stage < 3 else "cpu"):
+            return f"{base}_offload"
+        if opt == par == "nvme":
+            return f"{base}_offload_nvme"
+        return f"{base} optimizer={opt} params={par}"
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(0), Setting(1), Setting(2), Setting(3),
+    Setting(1, "cpu"), Setting(2, "cpu"), Setting(3, "cpu"), Setting(3, "cpu", "cpu"),
+    Setting(3, "nvme", "cpu"), Setting(3, "nvme", "nvme"),
+)
+"""Every combination the estimator reports, cheapest on the device last."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What besides the parameter count decides the figures."""
+
+    params: int
+    gpus_per_node: int = 1
+    nodes: int = 1
+    largest_unit: Optional[int] = None
+    """Parameters of the largest stage-3 unit; None assumes a 24-block transformer (P / 24)."""
+    compute_bytes: int = 2
+    """2 for bf16/fp16 mixed precision, 4 for 32-true."""
+    bucket_numel: int = 25 * 2**20
+    """Stage 2 gradient bucket (ZeroConfig.bucket_size_mb in elements)."""
+    prefetch_units: int = 1
+    accumulate: bool = False
+    delayed_update: bool = False
+    nvme_chunk_numel: int = 64 * 2**20
+
+    @property
+    def ranks(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def shard(self) -> float:
+        return self.params / self.ranks
+
+    @property
+    def unit(self) -> float:
+        return self.largest_unit if self.largest_unit is not None else self.params / 24
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes needed by one setting: per device, per node's host memory, per node's NVMe."""
+
+    setting: Setting
+    gpu_bytes: int
+    cpu_bytes: int
+    nvme_bytes: int
+
+
+def _device_bytes(s: Setting, w: Workload) -> float:
+    c, P, S = w.compute_bytes, w.params, w.shard
+    working = (w.prefetch_units + 3) * c * w.unit  # gathered units (live + prefetched + root) and grad staging
+    bucket = 2 * c * min(w.bucket_numel, P)
+    master = 0 if c == 4 else 4
+    if s.offload_optimizer == "none":
+        if s.stage == 0:
+            return 2 * c * P + master * P + 8 * P
+        if s.stage == 1:
+            return 2 * c * P + 16 * S
+        if s.stage == 2:
+            return c * P + 16 * S + bucket
+        return (c if c != 4 else 0) * S + 16 * S + working
+    if s.stage == 1:
+        return 2 * c * P
+    if s.stage == 2:
+        return c * P + bucket
+    return (c * S if s.offload_params == "none" else 0) + working
+
+
+def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
+    """Host memory one rank's offload buffers take (0 without offload); the engine checks this."""
+    if s.offload_optimizer == "none":
+        return 0.0
+    c, S = w.compute_bytes, w.shard
+    grads = c * S * (2 if w.delayed_update else 1) + (4 * S * (2 if w.delayed_update else 1) if w.accumulate else 0)
+    uploads = 2 if w.delayed_update else 1
+    total = grads
+    if s.offload_optimizer == "cpu":
+        total += 12 * S
+        in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
+        if (c != 4 or w.delayed_update) and not in_place:
+            total += uploads * c * S
+    else:  # nvme: ring of three chunk sets (master + 2 moments) and a full upload buffer
+        total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + uploads * c * S
+    if s.offload_params == "cpu":
+        total += c * S
+    elif s.offload_params == "nvme":
+        total += (w.prefetch_units + 2) * c * w.unit / w.ranks  # read-ahead staging of unit chunks
+    return total
+
+
+def nvme_bytes_per_rank(s: Setting, w: Workload) -> float:
+    total = 0.0
+    if s.offload_optimizer == "nvme":
+        total += 12 * w.shard
+    if s.offload_params == "nvme":
+        total += w.compute_bytes * w.shard
+    return total
+
+
+def estimate(s: Setting, w: Workload) -> Estimate:
+    return Estimate(
+        s,
+        gpu_bytes=int(_device_bytes(s, w)),
+        cpu_bytes=int(offload_host_bytes_per_rank(s, w) * w.gpus_per_node),
+        nvme_bytes=int(nvme_bytes_per_rank(s, w) * w.gpus_per_node),
+    )
+
+
+def estimate_all(w: Workload) -> list[Estimate]:
+    return [estimate(s, w) for s in SETTINGS]
+
+
+# ---------------------------------------------------------------------------------------- from a model
+def count_params(model: nn.Module) -> tuple[int, int]:
+    """(trainable parameters, largest unit): units as stage 3's default policy (ModuleList children)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    largest = 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for child in module:
+                largest = max(largest, sum(p.numel() for p in child.parameters() if p.requires_grad))
+    return total, largest or total
+
+
+def estimate_model(model: nn.Module, gpus_per_node: int = 1, nodes: int = 1, **workload: object) -> list[Estimate]:
+    """Every setting's figures for ``model`` (meta-device models work: only shapes are read)."""
+    total, largest = count_params(model)
+    return estimate_all(Workload(total, gpus_per_node, nodes, largest_unit=largest, **workload))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- what fits
+@dataclass(frozen=True)
+class Machine:
+    """Per-node capacity the 'largest model' figures are computed for (None: unlimited/unknown)."""
+
+    gpu_bytes: Optional[float]
+    cpu_bytes: Optional[float]
+    nvme_bytes: Optional[float]
+
+
+def fits(e: Estimate, m: Machine) -> bool:
+    return all(cap is None or need <= cap for need, cap in
+               ((e.gpu_bytes, m.gpu_bytes), (e.cpu_bytes, m.cpu_bytes), (e.nvme_bytes, m.nvme_bytes)))
+
+
+def largest_fitting(s: Setting, m: Machine, make: Callable[[int], Workload]) -> tuple[int, str]:
+    """The largest parameter count whose figures fit ``m`` (bisection), and what limits it."""
+    if m.gpu_bytes is None and m.cpu_bytes is None and m.nvme_bytes is None:
+        return 0, "no capacity known"
+    lo, hi = 0, 1
+    while fits(estimate(s, make(hi)), m) and hi < 10**15:
+        lo, hi = hi, hi * 2
+    while hi - lo > max(1, lo // 1000):
+        mid = (lo + hi) // 2
+        if fits(estimate(s, make(mid)), m):
+            lo = mid
+        else:
+            hi = mid
+    over = estimate(s, make(hi))
+    limits = [name for name, need, cap in (("GPU", over.gpu_bytes, m.gpu_bytes), ("CPU", over.cpu_bytes, m.cpu_bytes),
+                                           ("NVMe", over.nvme_bytes, m.nvme_bytes)) if cap is not None and need > cap]
+    return lo, "/".join(limits) or "-"

@@ -1,0 +1,128 @@
+"""Host buffers for offload: pinned (page-locked) when a GPU is there, aligned for direct I/O, budgeted.
+
+[Note: why pinned and aligned]
+Copies between the GPU and pageable host memory are synchronous and go through a driver bounce
+buffer (7.7 GB/s measured, DESIGN.md section 7); from pinned memory they are asynchronous DMA at
+55 GB/s. Every buffer that crosses PCIe is therefore pinned. Direct I/O (``O_DIRECT``, nvme.py)
+needs the buffer address, the file offset and the length to be multiples of the logical block
+size, so every buffer here starts on a 4 KiB boundary and owns storage up to the next boundary:
+a whole number of blocks can be read or written straight into it.
+
+On a machine without CUDA nothing is pinned (torch cannot pin there); the buffers are still
+separate host allocations, so the copy paths run in CI exactly as they do on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+ALIGN = 4096
+"""Alignment (bytes) of every host buffer: a page, and a multiple of every disk's logical block."""
+
+
+def round_up(n: int, multiple: int = ALIGN) -> int:
+    return -(-n // multiple) * multiple
+
+
+def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False, align: int = ALIGN) -> Tensor:
+    """A 1-D host tensor starting on an ``align``-byte boundary, with storage to the next boundary.
+
+    The tensor is a view into a slightly larger uint8 allocation (kept alive by the view), so
+    ``capacity_bytes(t)`` whole blocks can be handed to ``os.preadv``/``os.pwritev`` at ``t.data_ptr()``.
+    """
+    elsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = round_up(max(numel * elsize, 1), align)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+    offset = (-raw.data_ptr()) % align
+    return raw[offset : offset + nbytes].view(dtype)[:numel]
+
+
+def capacity_bytes(t: Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its storage (whole blocks for aligned_empty's)."""
+    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+
+
+def can_pin(device: torch.device, want: bool) -> bool:
+    """Pin only when asked and a CUDA device is the target (torch cannot pin without an accelerator)."""
+    return bool(want) and device.type == "cuda" and torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------- host memory
+def _read_int(path: str) -> Optional[int]:
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def available_host_bytes() -> int:
+    """Memory this process can still allocate: MemAvailable, capped by a cgroup (container) limit."""
+    avail: Optional[int] = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except OSError:
+        pass
+    if avail is None:  # not Linux: physical pages, the best portable figure
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, usage = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is None:  # cgroup v1
+        limit, usage = (_read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+                        _read_int("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+    if limit is not None and usage is not None and limit < (1 << 60):
+        avail = min(avail, max(0, limit - usage))
+    return avail
+
+
+def total_host_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(need_per_rank: int, ranks_per_node: int, what: str, advice: str,
+                      available: Optional[int] = None, headroom: float = 0.9) -> None:
+    """Fail before allocating when the node's ranks together would need more host memory than is free.
+
+    ``what`` itemises the buffers, ``advice`` names the setting to change; ``headroom`` leaves a
+    tenth for the rest of the process (data loaders, CUDA context, Python).
+    """
+    free = available_host_bytes() if available is None else available
+    need = need_per_rank * max(1, ranks_per_node)
+    if need > headroom * free:
+        gib = 2.0**30
+        raise MemoryError(
+            f"Offload needs {need / gib:.2f} GiB of host memory on this node ({need_per_rank / gib:.2f} GiB per rank "
+            f"x {ranks_per_node} ranks: {what}), but only {free / gib:.2f} GiB are available "
+            f"({headroom:.0%} usable). {advice}"
+        )
+
+
+@dataclass
+class HostPool:
+    """Allocates (and counts) this engine's host buffers; one per engine, no global state."""
+
+    pin: bool
+    allocated: int = 0
+    buffers: list[Tensor] = field(default_factory=list)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        t = aligned_empty(numel, dtype, pin=self.pin)
+        self.allocated += capacity_bytes(t)
+        self.buffers.append(t)
+        return t
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return self.empty(numel, dtype).zero_()
+
+    def release(self) -> None:
+        """Drop the pool's references (tensors still referenced elsewhere stay alive)."""
+        self.buffers.clear()
+        self.allocated = 0

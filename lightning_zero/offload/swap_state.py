@@ -1,0 +1,245 @@
+"""fp32 masters and optimizer states on NVMe (ZeRO-Infinity), swapped chunk by chunk around the step.
+
+[Note: the chunk pipeline]
+Each param group's shard is cut into chunks of ``chunk_numel`` elements; chunk ``c`` of the master
+and of every optimizer state is one swap file (``g<group>.c<chunk>.<key>.swap``). The Adam step
+walks the chunks through a ring of three host buffer sets: while chunk ``c`` is stepped in slot
+``c % 3``, chunk ``c + 1`` is being read into the next slot and chunk ``c - 1`` written from the
+previous one, so disk reads, CPU math and disk writes overlap (a slot is reused only after its
+write has finished). The step waits for its last writes before returning: when ``step()`` is done
+every swap file is complete and its checksum recorded.
+
+Between steps the master tensors (the optimizer's parameters) and the optimizer's state tensors are
+*placeholders*: same shape, storage resized to zero, so nothing reads stale values by accident.
+``host_state()`` makes them real for checkpoints (read in, and written back out on exit, also when
+a checkpoint load replaced the optimizer's state dict).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Generator, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.offload.nvme import NvmeSwapper, SwapOp
+from lightning_zero.offload.pinned import aligned_empty
+
+RING = 3
+
+
+def make_placeholder(t: Tensor) -> Tensor:
+    """Free ``t``'s storage in place (the tensor object, its shape and its identity remain)."""
+    t.untyped_storage().resize_(0)
+    return t
+
+
+def make_resident(t: Tensor) -> Tensor:
+    storage = t.untyped_storage()
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if storage.nbytes() < need:
+        storage.resize_(need)
+    return t
+
+
+def is_placeholder(t: Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0 and t.numel() > 0
+
+
+def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    return [(lo, min(numel, lo + chunk_numel)) for lo in range(0, numel, chunk_numel)]
+
+
+AdamFn = Callable[[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]], None]
+"""(master, grad, exp_avg, exp_avg_sq, out16) -> None: one Adam update of a chunk, in place."""
+
+
+class NvmeOptimizerStore:
+    """Masters and shard-shaped optimizer states of every param group, on NVMe (see module note)."""
+
+    def __init__(self, swapper: NvmeSwapper, masters: list[Tensor], optimizer: torch.optim.Optimizer,
+                 chunk_numel: int) -> None:
+        self.swapper = swapper
+        self.masters = masters
+        self.optimizer = optimizer
+        longest = max((m.numel() for m in masters), default=1)
+        self.chunk_numel = max(1, min(chunk_numel, longest))
+        self.chunks = [chunk_ranges(m.numel(), self.chunk_numel) for m in masters]
+        self._bufs: dict[tuple[int, str, torch.dtype], Tensor] = {}
+        self._slot_ops: dict[int, list[SwapOp]] = {s: [] for s in range(RING)}
+        self._depth = 0
+        self.resident = False
+        """True after ``keep_in_memory``: everything lives in host memory, the files are gone."""
+
+    # ---------------------------------------------------------------- buffers and names
+    @staticmethod
+    def name(gi: int, ci: int, key: str) -> str:
+        return f"g{gi}.c{ci}.{key}"
+
+    def _buf(self, slot: int, key: str, dtype: torch.dtype) -> Tensor:
+        k = (slot, key, dtype)
+        if k not in self._bufs:
+            self._bufs[k] = aligned_empty(self.chunk_numel, dtype)
+        return self._bufs[k]
+
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+    def _claim(self, slot: int) -> None:
+        """Wait until the slot's previous reads/writes are done (and their checksums recorded)."""
+        ops, self._slot_ops[slot] = self._slot_ops[slot], []
+        for op in ops:
+            op.wait()
+
+    def flush(self) -> None:
+        for slot in range(RING):
+            self._claim(slot)
+
+    # ---------------------------------------------------------------- whole tensors
+    def write_full(self, gi: int, key: str, t: Tensor) -> None:
+        """Write a resident shard-shaped tensor to its chunk files (through the ring buffers)."""
+        flat = t.reshape(-1)
+        for ci, (lo, hi) in enumerate(self.chunks[gi]):
+            slot = ci % RING
+            self._claim(slot)
+            buf = self._buf(slot, "io", t.dtype)[: hi - lo]
+            buf.copy_(flat[lo:hi])
+            self._slot_ops[slot].append(self.swapper.write(self.name(gi, ci, key), buf))
+        self.flush()
+
+    def read_full(self, gi: int, key: str, t: Tensor) -> None:
+        """Read a tensor's chunk files into it (zeros where it was never written)."""
+        flat = t.reshape(-1)
+        chunks = self.chunks[gi]
+        pending: dict[int, Optional[SwapOp]] = {}
+
+        def start(ci: int) -> None:
+            slot = ci % RING
+            self._claim(slot)
+            lo, hi = chunks[ci]
+            name = self.name(gi, ci, key)
+            buf = self._buf(slot, "io", t.dtype)[: hi - lo]
+            pending[ci] = self.swapper.read(name, buf) if self.swapper.has(name) else None
+
+        for ci in range(min(RING - 1, len(chunks))):
+            start(ci)
+        for ci, (lo, hi) in enumerate(chunks):
+            if ci + RING - 1 < len(chunks):
+                start(ci + RING - 1)
+            op = pending.pop(ci)
+            if op is None:
+                flat[lo:hi].zero_()
+            else:
+                op.wait()
+                flat[lo:hi].copy_(self._buf(ci % RING, "io", t.dtype)[: hi - lo])
+
+    def swap_out_masters(self) -> None:
+        """After the engine filled the masters: write them out and free their host memory."""
+        for gi, m in enumerate(self.masters):
+            self.write_full(gi, "master", m)
+            make_placeholder(m)
+
+    # ---------------------------------------------------------------- the step
+    def adam_step(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn) -> None:
+        """Run ``update`` over every chunk of group ``gi`` with reads, math and writes overlapped.
+
+        ``grad`` and ``out`` are full shard-shaped host tensors; a 16-bit ``out`` is written by
+        ``update`` itself, an fp32 one is copied from the updated master chunk.
+        """
+        keys = ("master", "exp_avg", "exp_avg_sq")
+        chunks = self.chunks[gi]
+        fresh_state = not self.swapper.has(self.name(gi, 0, "exp_avg"))
+        reads: dict[int, list[SwapOp]] = {}
+
+        def start_read(ci: int) -> None:
+            slot = ci % RING
+            self._claim(slot)
+            lo, hi = chunks[ci]
+            ops = []
+            for key in keys:
+                buf = self._buf(slot, key, torch.float32)[: hi - lo]
+                if key != "master" and fresh_state:
+                    buf.zero_()
+                else:
+                    ops.append(self.swapper.read(self.name(gi, ci, key), buf))
+            reads[ci] = ops
+
+        start_read(0)
+        for ci, (lo, hi) in enumerate(chunks):
+            if ci + 1 < len(chunks):
+                start_read(ci + 1)  # overlaps this chunk's math and the previous chunk's write
+            for op in reads.pop(ci):
+                op.wait()
+            slot = ci % RING
+            m, ea, eas = (self._buf(slot, k, torch.float32)[: hi - lo] for k in keys)
+            out16 = out[lo:hi] if out is not None and out.dtype != torch.float32 else None
+            update(m, grad[lo:hi], ea, eas, out16)
+            if out is not None and out16 is None:
+                out[lo:hi].copy_(m)
+            self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
+        self.flush()
+
+    # ---------------------------------------------------------------- checkpoints and other readers
+    def _state_keys(self, gi: int) -> list[str]:
+        st = self.optimizer.state.get(self.masters[gi], {})
+        n = self.masters[gi].numel()
+        return [k for k, v in st.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n and n > 0]
+
+    @contextmanager
+    def host_state(self) -> Generator[None, None, None]:
+        """Masters and optimizer states resident in host memory inside the block (re-entrant)."""
+        if self.resident:
+            yield
+            return
+        self._depth += 1
+        if self._depth == 1:
+            self.flush()
+            for gi, m in enumerate(self.masters):
+                self.read_full(gi, "master", make_resident(m))
+                st = self.optimizer.state.get(m, {})
+                for key in self._state_keys(gi):
+                    self.read_full(gi, key, make_resident(st[key]))
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._swap_out_all()
+
+    def _swap_out_all(self) -> None:
+        for gi, m in enumerate(self.masters):
+            self.write_full(gi, "master", m)
+            make_placeholder(m)
+            st = self.optimizer.state.get(m)
+            if not st:
+                continue
+            for key in self._state_keys(gi):
+                value = st[key]
+                self.write_full(gi, key, value)
+                if value.untyped_storage().nbytes() == value.numel() * value.element_size() and value.storage_offset() == 0:
+                    make_placeholder(value)
+                else:  # a view or a tensor sharing storage (e.g. from a loaded state dict): our own placeholder
+                    st[key] = make_placeholder(torch.empty(value.numel(), dtype=value.dtype))
+
+    def placeholder_state(self, gi: int) -> dict:
+        """The optimizer's Adam state for group ``gi`` (created as placeholders on the first step)."""
+        m = self.masters[gi]
+        st = self.optimizer.state[m]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = make_placeholder(torch.empty(m.numel(), dtype=torch.float32))
+            st["exp_avg_sq"] = make_placeholder(torch.empty(m.numel(), dtype=torch.float32))
+        return st
+
+    def keep_in_memory(self) -> None:
+        """Bring everything into host memory for good (teardown); the swap files may then go."""
+        if self.resident:
+            return
+        self.flush()
+        for gi, m in enumerate(self.masters):
+            self.read_full(gi, "master", make_resident(m))
+            st = self.optimizer.state.get(m, {})
+            for key in self._state_keys(gi):
+                self.read_full(gi, key, make_resident(st[key]))
+        self.resident = True
