@@ -24,6 +24,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -217,6 +218,13 @@ class StepTimer(Callback):
 
 PROFILE_WINDOW = "lz_profiled_steps"
 """The ``record_function`` range that marks the profiled steps: its span is the wall time of the window."""
+DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+"""Kineto activity types (their strings) of device-side events that are work. The other CUDA-side ones
+are not: ``gpu_user_annotation`` (``record_function`` ranges mirrored onto the GPU timeline: ours,
+Lightning's, the optimizer's, spanning whole phases) and ``cuda_sync`` (a synchronisation's wait,
+e.g. the compute stream waiting on an NCCL kernel: counting it as work would hide that kernel)."""
+SYNC_NAME = re.compile(r"(^| )Sync$|^Stream Wait Event$|^cudaProfilerRange|^ProfilerStep#")
+"""Names of CUDA-side non-work events, for when the activity type is unavailable."""
 
 
 def _profiler_rows(prof: Any) -> tuple[list[tuple[str, Any, float, float, Any, bool, Any]], list[str]]:
@@ -254,14 +262,15 @@ def _profiler_rows(prof: Any) -> tuple[list[tuple[str, Any, float, float, Any, b
     return rows, [note]
 
 
-def _device_activity(prof: Any, device_index: Optional[int]) -> tuple[list[tuple[str, float, float]], Optional[tuple[float, float]], list[str]]:
-    """(device activity as (name, start_us, end_us), the window's (start_us, end_us), notes) from a stopped
-    ``torch.profiler.profile``.
+def _device_activity(
+    prof: Any, device_index: Optional[int]
+) -> tuple[list[tuple[str, float, float]], Optional[tuple[float, float]], dict[str, int], list[str]]:
+    """(device work as (name, start_us, end_us), the window's (start_us, end_us), counts of the CUDA-side
+    events by activity type, notes) from a stopped ``torch.profiler.profile``.
 
-    Device activity is every CUDA-side event (kernels, memcpy, memset) except annotations:
-    ``record_function`` ranges (ours, Lightning's, the optimizer's) are mirrored onto the GPU timeline
-    as ``gpu_user_annotation`` events that span whole phases and are not work. Only the given device's
-    events are kept (when any carry its index).
+    Device work is the CUDA-side events of a :data:`DEVICE_WORK` activity type (kernels, memcpy,
+    memset); without activity types, every CUDA-side event that is neither a user annotation nor named
+    like a synchronisation. Only the given device's events are kept (when any carry its index).
     """
     from torch.autograd import DeviceType
 
@@ -269,13 +278,23 @@ def _device_activity(prof: Any, device_index: Optional[int]) -> tuple[list[tuple
     annotation_names = {name for name, dev, _, _, act, ann, _ in rows
                         if dev == DeviceType.CPU and (ann or (act and "annotation" in str(act)))}
     windows = [(s, e) for name, dev, s, e, _, _, _ in rows if dev == DeviceType.CPU and name == PROFILE_WINDOW]
-    device: list[tuple[str, float, float, Any]] = []
+    types: dict[str, int] = {}
+    by_type: list[tuple[str, float, float, Any]] = []
+    by_name: list[tuple[str, float, float, Any]] = []
     for name, dev, s, e, act, ann, index in rows:
-        if dev != DeviceType.CUDA or ann or name in annotation_names or name.startswith("ProfilerStep#"):
+        if dev != DeviceType.CUDA:
             continue
-        if act is not None and "annotation" in str(act):
-            continue
-        device.append((name, s, e, index))
+        types[str(act)] = types.get(str(act), 0) + 1
+        if str(act) in DEVICE_WORK:
+            by_type.append((name, s, e, index))
+        if not (ann or name in annotation_names or SYNC_NAME.search(name) or "annotation" in str(act)
+                or "sync" in str(act)):
+            by_name.append((name, s, e, index))
+    device = by_type
+    if not by_type and by_name:
+        device = by_name
+        notes.append(f"no CUDA event of activity type {sorted(DEVICE_WORK)} (types: {types}): "
+                     "device work told from annotations and syncs by name")
     if device_index is not None and any(i == device_index for *_, i in device):
         device = [d for d in device if d[3] == device_index]
     elif device and device_index is not None:
@@ -283,7 +302,7 @@ def _device_activity(prof: Any, device_index: Optional[int]) -> tuple[list[tuple
     window = windows[0] if len(windows) == 1 else None
     if window is None:
         notes.append(f"{len(windows)} '{PROFILE_WINDOW}' ranges found: wall = span of the device activity")
-    return [(n, s, e) for n, s, e, _ in device], window, notes
+    return [(n, s, e) for n, s, e, _ in device], window, types, notes
 
 
 class CommProfiler(Callback):
@@ -328,6 +347,11 @@ class CommProfiler(Callback):
             self._window.__enter__()
         except Exception as exc:  # noqa: BLE001
             self.result = {"note": f"profiler did not start: {short_reason(exc)}"}
+            if self._prof is not None:
+                try:
+                    self._prof.stop()  # started, then the window failed: never leave it recording
+                except Exception:  # noqa: BLE001
+                    pass
             self._prof = self._window = None
 
     def _stop(self) -> None:
@@ -346,10 +370,11 @@ class CommProfiler(Callback):
         try:
             t0 = time.perf_counter()
             index = self._device.index if self._device is not None and self._device.type == "cuda" else None
-            kernels, span, more = _device_activity(prof, index)
+            kernels, span, types, more = _device_activity(prof, index)
             notes += more
             measured = comm_overlap(kernels, span)
-            self.result = {**measured.as_dict(), "steps": self._profiled, "analysis_s": time.perf_counter() - t0}
+            self.result = {**measured.as_dict(), "steps": self._profiled, "cuda_event_types": types,
+                           "analysis_s": time.perf_counter() - t0}
             if not kernels:
                 notes.append("no CUDA kernel events" + (" (CPU run)" if index is None else ""))
         except Exception as exc:  # noqa: BLE001

@@ -32,7 +32,8 @@ class ZeroConfig:
 
     unit_policy: Optional[list[str]] = None
     """Stage 3: which module subtrees are gathered as one unit. None: every child of an ``nn.ModuleList``
-    (the transformer blocks); else class names or fnmatch patterns of module names, e.g. ``["Block"]``."""
+    or ``nn.ModuleDict`` (transformer blocks, PipelineModule layers); else class names or fnmatch
+    patterns of module names, e.g. ``["Block"]``."""
 
     prefetch_units: int = 1
     """Stage 3: how many units ahead (in the recorded execution order) to all-gather while one computes."""
@@ -71,6 +72,11 @@ class ZeroConfig:
 
     nvme_io_threads: int = 4
     """'nvme' offload: threads doing the direct (O_DIRECT) reads and writes and their checksums."""
+
+    nvme_fraction: float = 1.0
+    """'nvme' optimizer offload: the fraction of the masters and optimizer states (whole chunks) kept on
+    NVMe; the rest stays in host memory and is stepped without I/O. Below 1 when the disk is smaller
+    than the states, or to trade host memory for less disk traffic."""
 
     delayed_param_update: bool = False
     """Offload: the ZeRO-Offload paper's one-step delayed parameter update. The CPU step of step t runs
@@ -195,6 +201,8 @@ class ZeroConfig:
                 f"nvme_chunk_mb must be > 0 and nvme_io_threads an integer >= 1, got {self.nvme_chunk_mb!r}, "
                 f"{self.nvme_io_threads!r}."
             )
+        if not 0.0 < self.nvme_fraction <= 1.0:
+            raise ValueError(f"nvme_fraction must be in (0, 1], got {self.nvme_fraction!r}.")
         if self.delayed_param_update and self.offload_optimizer == "none":
             raise ValueError("delayed_param_update needs offload_optimizer='cpu' or 'nvme' (it overlaps the CPU step).")
         if self.delayed_param_update_warmup < 0:

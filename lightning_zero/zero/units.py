@@ -1,8 +1,8 @@
 """Stage-3 units: the module subtrees whose parameters are gathered and released together.
 
 [Note: what a unit is]
-A unit is a module subtree chosen by a policy (default: every child of an ``nn.ModuleList``, i.e. the
-transformer blocks). Every trainable parameter belongs to exactly one unit. Parameters outside any
+A unit is a module subtree chosen by a policy (default: every child of an ``nn.ModuleList`` or
+``nn.ModuleDict``: the transformer blocks, or the layers of a PipelineModule). Every trainable parameter belongs to exactly one unit. Parameters outside any
 matched subtree, and parameters shared by modules of different units (a tied embedding/head), go to
 the *root unit*, which is gathered for a whole training step: that is what makes uses outside the
 owning module's forward (``F.linear(h, self.emb.weight)``) correct without registration.
@@ -54,7 +54,7 @@ def find_units(model: nn.Module, policy: Optional[Sequence[str]]) -> list[Unit]:
         if policy is None:
             parent_name = name.rpartition(".")[0]
             parent = model.get_submodule(parent_name) if parent_name else model
-            hit = isinstance(parent, nn.ModuleList)
+            hit = isinstance(parent, (nn.ModuleList, nn.ModuleDict))
         else:
             hit = _matches(name, module, policy)
         if hit:

@@ -1,6 +1,7 @@
 """A small LightningModule with every awkward shape the ZeRO engines must handle.
 
 Tied weights (embedding reused as the output head through ``F.linear``), a frozen layer, a buffer,
+a block called twice in one forward,
 a parameter used only on some ranks in some steps, activation checkpointing, parameter sizes that
 do not divide by 2, 3 or 4, two param groups (no weight decay on biases/norms), an LR scheduler.
 """
@@ -68,6 +69,7 @@ class ParityNet(LightningModule):
         h = h + 0.1 * self.frozen(h)
         for block in self.blocks:
             h = checkpoint(block, h, use_reentrant=False) if self.checkpointing and self.training else block(h)
+        h = self.blocks[1](h)  # one module called twice in a forward
         rank = self.trainer.global_rank if self._trainer is not None else 0
         if self.training and (self.global_step + rank) % 2 == 0:
             h = h + self.sometimes(h)  # used on one of two ranks per step: needs no flag
@@ -88,6 +90,9 @@ class ParityNet(LightningModule):
         x, y = batch
         loss = F.cross_entropy(self(x).float().reshape(-1, VOCAB), y.reshape(-1))
         self.log("val_loss", loss, sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(-1)
 
     def configure_optimizers(self):
         decay, no_decay = [], []

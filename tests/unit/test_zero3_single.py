@@ -52,6 +52,11 @@ def test_fit_then_summary_state_dict_gather_and_eval() -> None:
     # validate/test/predict after fit gather unit by unit again
     result = trainer.validate(model, verbose=False)
     assert result and "val_loss" in result[0]
+    loader = torch.utils.data.DataLoader(RandomTokens(8), batch_size=4)
+    predictions = trainer.predict(model, dataloaders=loader)
+    with torch.no_grad():
+        expected_tokens = [plain(x).argmax(-1) for x, _ in loader]
+    assert all(torch.equal(a, b) for a, b in zip(predictions, expected_tokens))
 
 
 def test_unit_policy_matching_nothing() -> None:
