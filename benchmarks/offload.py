@@ -9,7 +9,8 @@ offload issue targets (``zero3_offload`` >= 2x ``fsdp_cpu_offload`` and >= 5x ``
     python benchmarks/offload.py --model gpt_2.65b --micro-batch 8
     python benchmarks/offload.py --model gpt_1b --micro-batch 16 --configs zero2,zero2_offload
     python benchmarks/offload.py --model gpt_6b --configs zero3_offload --steps 5 --warmup 1   # largest model
-    python benchmarks/offload.py --model gpt_10b --configs zero3_offload_nvme --nvme-path /local_nvme --steps 5
+    python benchmarks/offload.py --model gpt_10b --configs zero3_offload_nvme_opt --nvme-path /local_nvme \
+        --nvme-fraction 0.5 --steps 5 --warmup 1     # fraction: see python -m lightning_zero.estimate --params 10e9
     python benchmarks/offload.py --device cpu --model tiny --steps 2 --warmup 1               # CPU smoke mode
 
 Models: any ``conf/model/<name>.yaml`` (``gpt_tiny``/``tiny``, ``gpt_small``, ``gpt_1b``) or one of the
@@ -132,6 +133,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         kw = dict(ZERO[args.config])
         if "nvme" in (kw.get("offload_optimizer"), kw.get("offload_params")):
             kw["nvme_path"] = args.nvme_path
+            kw["nvme_fraction"] = args.nvme_fraction
         strategy = ZeroStrategy(**kw)
     elif args.config == "fsdp_cpu_offload":
         if not cuda:
@@ -180,7 +182,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [sys.executable, __file__, "--worker", "--config", config, "--json", out.name, "--model", args.model,
                "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--device", args.device, "--nvme-path", args.nvme_path]
+               "--device", args.device, "--nvme-path", args.nvme_path, "--nvme-fraction", str(args.nvme_fraction)]
         t0 = time.time()
         try:
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
@@ -203,7 +205,7 @@ def table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     ok = {r["config"]: r for r in records if r.get("status") == "ok"}
     params = next((r["params"] for r in ok.values()), None)
     lines = [
-        f"Offload benchmark: model {args.model} ({f(params / 1e9 if params else None, '.2f')}B parameters), "
+        f"Offload benchmark: model {args.model} ({f(params / 1e6 if params else None, ',.1f')}M parameters), "
         f"micro-batch {args.micro_batch}, bf16-mixed, 1 {args.device.upper()}, {args.steps} timed steps after "
         f"{args.warmup} warm-up.",
         "",
@@ -237,6 +239,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="nvme_path of the *_nvme configs")
+    p.add_argument("--nvme-fraction", type=float, default=1.0, help="nvme_fraction of the *_nvme configs "
+                   "(python -m lightning_zero.estimate suggests one for the machine)")
     p.add_argument("--config-timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=None, help="also write the records (JSON) and table here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

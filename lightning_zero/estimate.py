@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_zero.offload.estimator import (
-    GIB, SETTINGS, Estimate, Machine, Workload, estimate, fits, largest_fitting,
+    GIB, SETTINGS, Machine, Setting, Workload, estimate, fits, largest_fitting,
 )
 from lightning_zero.offload.pinned import available_host_bytes
 
@@ -57,6 +57,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefetch-units", type=int, default=1)
     p.add_argument("--accumulate", action="store_true", help="gradient accumulation (adds an fp32 host accumulator)")
     p.add_argument("--delayed-update", action="store_true", help="delayed_param_update (double host buffers)")
+    p.add_argument("--nvme-fraction", type=float, default=None,
+                   help="share of optimizer states on NVMe for the 'nvme' settings (ZeroConfig.nvme_fraction); "
+                        "default: the largest of 1.0, 0.9, ..., 0.1 that fits this machine")
     p.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory per device (default: detected)")
     p.add_argument("--host-mem-gib", type=float, default=None, help="host memory per node (default: available now)")
     p.add_argument("--nvme-gib", type=float, default=None, help="NVMe space per node (default: free at --nvme-path)")
@@ -105,13 +108,17 @@ def detect_machine(args: argparse.Namespace) -> tuple[Machine, str]:
 def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str:
     c = 4 if args.precision == "32-true" else 2
 
-    def make(params: int) -> Workload:
+    def make(params: int, fraction: float = 1.0) -> Workload:
         unit = None if args.largest_unit is None else int(args.largest_unit * params / args.params)
         return Workload(params, args.gpus, args.nodes, largest_unit=unit, compute_bytes=c,
                         prefetch_units=args.prefetch_units, accumulate=args.accumulate,
-                        delayed_update=args.delayed_update)
+                        delayed_update=args.delayed_update, nvme_fraction=fraction)
 
-    w = make(args.params)
+    def fractions(s: Setting) -> list[float]:
+        if s.offload_optimizer != "nvme":
+            return [1.0]
+        return [args.nvme_fraction] if args.nvme_fraction is not None else [1.0 - i / 10 for i in range(10)]
+
     lines = [
         f"Memory for {_fmt_count(args.params)} parameters on {args.nodes} node(s) x {args.gpus} GPU(s), {args.precision}, "
         "Adam. Model states and offload buffers only: activations, the CUDA context and fragmentation come on top.",
@@ -121,14 +128,22 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
         "|---|---:|---:|---:|:---:|---:|",
     ]
     for s in SETTINGS:
-        e: Estimate = estimate(s, w)
+        fs = fractions(s)
+        options = [(estimate(s, make(args.params, f)), f) for f in fs]
+        e, frac = next(((e, f) for e, f in options if fits(e, machine)), options[0])
         ok = "yes" if fits(e, machine) else "no"
         if ok == "yes" and machine.gpu_bytes is None:
             ok = "? (no GPU figure)"
-        biggest, limit = largest_fitting(s, machine, make)
+        biggest, limit, best_f = max(
+            (largest_fitting(s, machine, lambda p, f=f: make(p, f)) + (f,) for f in fs), key=lambda r: r[0]
+        )
         largest = "- (needs a GPU figure)" if limit == "-" else f"{_fmt_count(biggest)} ({limit})"
+        name = s.name
+        if s.offload_optimizer == "nvme":
+            name += f" (nvme_fraction {frac:.1f})"
+            largest += f" at nvme_fraction {best_f:.1f}" if limit != "-" else ""
         lines.append(
-            f"| {s.name} | {_fmt_bytes(e.gpu_bytes)} | {_fmt_bytes(e.cpu_bytes)} | {_fmt_bytes(e.nvme_bytes)} | {ok} | "
+            f"| {name} | {_fmt_bytes(e.gpu_bytes)} | {_fmt_bytes(e.cpu_bytes)} | {_fmt_bytes(e.nvme_bytes)} | {ok} | "
             f"{largest} |"
         )
     return "\n".join(lines)

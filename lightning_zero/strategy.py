@@ -480,7 +480,7 @@ class ZeroStrategy(ParallelStrategy):
         values = {}
         for k, v in module.state_dict(keep_vars=True).items():
             if k in sd:
-                values[id(v)] = sd[k].to(self.root_device, torch.float32)
+                values[id(v)] = sd[k].to(torch.float32)  # stays on the host: shards are sliced out of it
         for engine in self._engines.values():
             zsd.load_master_params(engine, values)
 

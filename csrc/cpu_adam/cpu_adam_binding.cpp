@@ -51,6 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"),
         pybind11::arg("weight_decay"), pybind11::arg("adamw_mode"), pybind11::arg("step"),
         pybind11::arg("grad_scale") = 1.0, pybind11::arg("simd_tier") = -1,
-        pybind11::arg("num_threads") = 0);
+        pybind11::arg("num_threads") = 0,
+        // the step touches only raw buffers: let other Python threads (offload's delayed update) run
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("best_simd", []() { return lz_cpu_best_simd(); }, "Best SIMD tier of this CPU");
 }

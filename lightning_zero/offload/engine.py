@@ -1,8 +1,8 @@
 """Offload mixed into the ZeRO engines: what changes when masters, states and partitions leave the device.
 
-``offload_engine(ENGINES[stage])`` returns the stage's engine with :class:`OffloadMixin` (stages 1-3)
-and, for stage 3, :class:`ParamOffloadMixin` in front. They override only the engine's marked steps,
-in the order a step runs them:
+``offload_engine(ENGINES[stage])`` returns the stage's engine class with :class:`FlatOffloadMixin`
+(stages 1-2) or :class:`ParamOffloadMixin` (stage 3) in front; both extend :class:`OffloadMixin`. They
+override only the engine's marked steps, in the order a step runs them:
 
 1. construction (``_group_kwargs``): masters in host memory (NVMe: swapped out once built); stage 3's
    gather source ``shard16`` on the device, in pinned host memory, or in swap files;
@@ -18,6 +18,16 @@ in the order a step runs them:
    stage's own all-gather (1-2) or nothing more (3: the next forward gathers unit by unit, copying
    each unit's chunk to the device first through ``_gather_source``).
 
+[Note: delayed parameter update]
+With ``delayed_param_update`` (after ``delayed_param_update_warmup`` synchronous steps) step t's CPU
+update runs in a background thread while the device computes step t+1, which uses the parameters of
+update t-1; step t+1's ``_step_masters`` waits for it, uploads its result and starts update t+1. The
+gradients and upload buffers are doubled so that the thread and the device never share one (events
+order the uploads). The learning rate etc. are read when the update starts. ``host_state`` waits for
+the thread (checkpoints see the latest masters); teardown uploads the last result. The overlap needs
+the CPU op to release the GIL (torch's own kernels do); results differ from the synchronous run by
+design (tests check the exact one-step staleness).
+
 [Note: one code path on CPU]
 On a CPU-only machine "device" and "host" are both CPU memory, but every buffer above is still a
 separate allocation and every copy still happens, so CI runs the offload code paths (and NVMe
@@ -32,6 +42,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generator, Iterable, Optional
 
 import torch
@@ -50,6 +61,10 @@ from lightning_zero.zero.engine import ZeroEngine, _Pending
 
 log = logging.getLogger(__name__)
 
+STEP_CHUNK = 1 << 25
+"""Elements per CPU Adam call. The compiled op holds the GIL while it runs; in pieces of ~0.1 s or less
+the training thread gets it back between them (the delayed update runs the step in a thread)."""
+
 
 @dataclass(frozen=True)
 class OffloadSettings:
@@ -63,6 +78,7 @@ class OffloadSettings:
     nvme_io_threads: int = 4
     delayed_update: bool = False
     delayed_update_warmup: int = 10
+    nvme_fraction: float = 1.0
     ranks_per_node: int = 1
     global_rank: int = 0
 
@@ -71,7 +87,7 @@ class OffloadSettings:
         return cls(
             config.offload_optimizer, config.offload_params, config.nvme_path, config.pin_memory,
             config.nvme_chunk_mb, config.nvme_io_threads, config.delayed_param_update,
-            config.delayed_param_update_warmup, ranks_per_node, global_rank,
+            config.delayed_param_update_warmup, config.nvme_fraction, ranks_per_node, global_rank,
         )
 
     @property
@@ -97,11 +113,13 @@ class OffloadMixin:
         self.offload = offload
         self._pin = can_pin(device, offload.pin_memory)
         self.host = HostPool(pin=self._pin)
+        weakref.finalize(self, self.host.release)
         self._accumulating = False
         self._check_resources(optimizer, dp_group, compute_dtype, bucket_numel)
         self._swapper: Optional[NvmeSwapper] = None
         if offload.uses_nvme:
-            self._swapper = NvmeSwapper(SwapDir(_nvme_dir(offload), offload.global_rank), offload.nvme_io_threads)
+            swap_dir = SwapDir(Path(str(offload.nvme_path)).expanduser(), offload.global_rank)
+            self._swapper = NvmeSwapper(swap_dir, offload.nvme_io_threads)
             self._finalizer = weakref.finalize(self, self._swapper.close)
         self._swap_closed = False
         super().__init__(optimizer, dp_group, compute_dtype, device, bucket_numel, *args, **kwargs)  # type: ignore[call-arg]
@@ -120,7 +138,7 @@ class OffloadMixin:
         return est.Workload(
             total, gpus_per_node=dp_size, compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             bucket_numel=bucket_numel, delayed_update=self.offload.delayed_update,
-            accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(),
+            accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(), nvme_fraction=self.offload.nvme_fraction,
         )
 
     def _chunk_numel(self) -> int:
@@ -133,8 +151,8 @@ class OffloadMixin:
         setting = est.Setting(self.stage, o.optimizer, o.params)
         w = self._workload(optimizer, C.world_size(dp_group), compute_dtype, bucket_numel)
         host = est.offload_host_bytes_per_rank(setting, w)
-        if o.optimizer == "nvme":
-            host += 4 * w.shard  # the masters are built in host memory once, then swapped out
+        if o.optimizer == "nvme":  # the masters are built in host memory once, then swapped out
+            host = max(host, est.nvme_build_peak_bytes_per_rank(setting, w))
         advice = (
             "Set offload_optimizer='nvme' (and offload_params='nvme') with nvme_path on a local disk, set "
             "pin_memory=False if the host is short of page-lockable memory, or train on more ranks/nodes."
@@ -160,6 +178,12 @@ class OffloadMixin:
     def _setup_offload(self) -> None:
         o = self.offload
         dpu = o.delayed_update
+        self._opt_store: Optional[NvmeOptimizerStore] = None
+        if o.optimizer == "nvme":  # first: the full masters leave host memory before other buffers arrive
+            assert self._swapper is not None
+            self._opt_store = NvmeOptimizerStore(self._swapper, [fg.master for fg in self.groups], self.optimizer,
+                                                 self._chunk_numel(), self.offload.nvme_fraction)
+            self._opt_store.swap_out_masters()
         self._grads = [HostGradShard(fg.layout.shard_numel, self.compute_dtype, self.host.empty, spares=int(dpu))
                        for fg in self.groups]
         self._hypers_ok = all(adam_hyper(self.optimizer, pg) is not None for pg in self.optimizer.param_groups)
@@ -187,12 +211,6 @@ class OffloadMixin:
         self._dpu_pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "lz-dpu") if dpu else None
         self._dpu_future: Optional[Future] = None
         self._dpu_up = 0
-        self._opt_store: Optional[NvmeOptimizerStore] = None
-        if o.optimizer == "nvme":
-            assert self._swapper is not None
-            self._opt_store = NvmeOptimizerStore(self._swapper, [fg.master for fg in self.groups], self.optimizer,
-                                                 self._chunk_numel())
-            self._opt_store.swap_out_masters()
 
     def _upload_is_shard16(self, fg: Any) -> bool:
         """Stage 3 with parameters in host memory: the CPU step writes the partitions in place."""
@@ -211,7 +229,9 @@ class OffloadMixin:
         work = C.reduce_scatter(out, bucket, self.dp_group, async_op=True)
         dst = self._grads[gi].landing[b.shard_offset : b.shard_offset + b.chunk]
         if self._d2h is not None:  # the side stream waits for the collective, then copies; backward goes on
+            main = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._d2h):
+                self._d2h.wait_stream(main)  # one rank: the "collective" was a copy on the main stream
                 work.wait()
                 dst.copy_(out, non_blocking=True)
             out.record_stream(self._d2h)
@@ -310,9 +330,12 @@ class OffloadMixin:
                 continue
             st = host_adam_state(opt, fg.master)
             st["step"] += 1
+            step = int(st["step"].item())
             out16 = out if out is not None and out.dtype != torch.float32 else None
-            adam_update(self._op, fg.master, grad, st["exp_avg"], st["exp_avg_sq"], out16, int(st["step"].item()),
-                        hyper, scale, threads)
+            for lo in range(0, fg.master.numel(), STEP_CHUNK):  # see STEP_CHUNK
+                hi = lo + STEP_CHUNK
+                adam_update(self._op, fg.master[lo:hi], grad[lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi],
+                            None if out16 is None else out16[lo:hi], step, hyper, scale, threads)
             if out is not None and out16 is None:
                 out.copy_(fg.master)
         self._out_valid = True
@@ -390,16 +413,10 @@ class OffloadMixin:
 
 
 def _resident_bytes(store: Any) -> float:
+    """Host memory a store needs to keep everything resident (teardown)."""
     if isinstance(store, NvmeOptimizerStore):
         return sum(m.numel() * 12 for m in store.masters)
     return sum(fg.layout.shard_numel * 2 for fg in store.groups)
-
-
-def _nvme_dir(o: OffloadSettings) -> Any:
-    from pathlib import Path
-
-    assert o.nvme_path is not None
-    return Path(o.nvme_path).expanduser()
 
 
 class FlatOffloadMixin(OffloadMixin):
@@ -444,11 +461,11 @@ class ParamOffloadMixin(OffloadMixin):
 
     def _setup_offload(self) -> None:
         self._param_store: Optional[NvmeParamStore] = None
-        super()._setup_offload()
-        if self.offload.params == "nvme":
+        if self.offload.params == "nvme":  # swapped out before the host buffers are allocated
             assert self._swapper is not None
             self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin)
             self._param_store.swap_out()
+        super()._setup_offload()
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
         if self.offload.params == "none":

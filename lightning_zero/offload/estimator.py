@@ -84,6 +84,8 @@ class Workload:
     accumulate: bool = False
     delayed_update: bool = False
     nvme_chunk_numel: int = 64 * 2**20
+    nvme_fraction: float = 1.0
+    """Share of the masters and optimizer states on NVMe ('nvme' optimizer offload); the rest in host memory."""
 
     @property
     def ranks(self) -> int:
@@ -141,8 +143,8 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
         in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
         if (c != 4 or w.delayed_update) and not in_place:
             total += uploads * c * S
-    else:  # nvme: ring of three chunk sets (master + 2 moments) and a full upload buffer
-        total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + uploads * c * S
+    else:  # nvme: ring of three chunk sets (master + 2 moments), a full upload buffer, chunks kept in memory
+        total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + uploads * c * S + 12 * S * (1.0 - w.nvme_fraction)
     if s.offload_params == "cpu":
         total += c * S
     elif s.offload_params == "nvme":
@@ -150,10 +152,16 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
     return total
 
 
+def nvme_build_peak_bytes_per_rank(s: Setting, w: Workload) -> float:
+    """Host memory while an 'nvme' engine is built: full fp32 masters (then swapped out), the 16-bit
+    partitions (params 'cpu', or 'nvme' before they are swapped out) and the chunks kept in memory."""
+    return 4 * w.shard + w.compute_bytes * w.shard * (s.offload_params != "none") + 4 * w.shard * (1 - w.nvme_fraction)
+
+
 def nvme_bytes_per_rank(s: Setting, w: Workload) -> float:
     total = 0.0
     if s.offload_optimizer == "nvme":
-        total += 12 * w.shard
+        total += 12 * w.shard * w.nvme_fraction
     if s.offload_params == "nvme":
         total += w.compute_bytes * w.shard
     return total

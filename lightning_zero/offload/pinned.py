@@ -105,16 +105,52 @@ def check_host_memory(need_per_rank: int, ranks_per_node: int, what: str, advice
         )
 
 
+def _register(ptr: int, nbytes: int) -> bool:
+    """Page-lock whole pages of an existing allocation in place (cudaHostRegister); False if CUDA refuses."""
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    except Exception:  # no cudart binding: fall back to torch's pinned allocator
+        return False
+    return int(getattr(err, "value", err)) == 0
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown or no CUDA: nothing left to do
+        pass
+
+
 @dataclass
 class HostPool:
-    """Allocates (and counts) this engine's host buffers; one per engine, no global state."""
+    """Allocates (and counts) this engine's long-lived host buffers; one per engine, no global state.
+
+    [Note: exact-size pinning]
+    torch's pinned allocator (``pin_memory=True``) rounds every block up to a power of two: a 5.3 GB
+    gradient buffer would pin 8 GB. Long-lived buffers are therefore allocated as ordinary memory and
+    page-locked in place with ``cudaHostRegister`` (unregistered by :meth:`release`); short-lived
+    staging buffers use torch's caching pinned allocator, whose rounding is harmless at their size and
+    which keeps a block alive until the asynchronous copies reading it have finished.
+    """
 
     pin: bool
     allocated: int = 0
     buffers: list[Tensor] = field(default_factory=list)
+    registered: list[int] = field(default_factory=list)
 
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
-        t = aligned_empty(numel, dtype, pin=self.pin)
+        if self.pin:
+            elsize = torch.empty((), dtype=dtype).element_size()
+            nbytes = round_up(max(numel * elsize, 1))
+            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+            body = raw[(-raw.data_ptr()) % ALIGN :][:nbytes]  # whole pages no other allocation shares
+            if _register(body.data_ptr(), nbytes):
+                self.registered.append(body.data_ptr())
+                t = body.view(dtype)[:numel]
+            else:
+                t = aligned_empty(numel, dtype, pin=True)
+        else:
+            t = aligned_empty(numel, dtype)
         self.allocated += capacity_bytes(t)
         self.buffers.append(t)
         return t
@@ -123,6 +159,9 @@ class HostPool:
         return self.empty(numel, dtype).zero_()
 
     def release(self) -> None:
-        """Drop the pool's references (tensors still referenced elsewhere stay alive)."""
+        """Unpin and drop the pool's buffers (tensors still referenced elsewhere stay alive, unpinned)."""
+        for ptr in self.registered:
+            _unregister(ptr)
+        self.registered.clear()
         self.buffers.clear()
         self.allocated = 0

@@ -59,18 +59,42 @@ class NvmeOptimizerStore:
     """Masters and shard-shaped optimizer states of every param group, on NVMe (see module note)."""
 
     def __init__(self, swapper: NvmeSwapper, masters: list[Tensor], optimizer: torch.optim.Optimizer,
-                 chunk_numel: int) -> None:
+                 chunk_numel: int, fraction: float = 1.0) -> None:
         self.swapper = swapper
         self.masters = masters
         self.optimizer = optimizer
         longest = max((m.numel() for m in masters), default=1)
         self.chunk_numel = max(1, min(chunk_numel, longest))
         self.chunks = [chunk_ranges(m.numel(), self.chunk_numel) for m in masters]
+        self.in_memory: set[tuple[int, int]] = self._pick_in_memory(fraction)
+        """(group, chunk) kept in host memory (``fraction`` < 1): stepped in place, never swapped."""
+        self._mem: dict[tuple[int, int, str], Tensor] = {}
+        self._has_state = [False] * len(masters)
         self._bufs: dict[tuple[int, str, torch.dtype], Tensor] = {}
         self._slot_ops: dict[int, list[SwapOp]] = {s: [] for s in range(RING)}
         self._depth = 0
         self.resident = False
         """True after ``keep_in_memory``: everything lives in host memory, the files are gone."""
+
+    def _pick_in_memory(self, fraction: float) -> set[tuple[int, int]]:
+        """The last chunks of every group, up to ``1 - fraction`` of all elements, stay in memory."""
+        keep = int(round((1.0 - fraction) * sum(m.numel() for m in self.masters)))
+        out: set[tuple[int, int]] = set()
+        for gi, chunks in enumerate(self.chunks):
+            for ci in reversed(range(len(chunks))):
+                lo, hi = chunks[ci]
+                if keep < hi - lo:
+                    break
+                out.add((gi, ci))
+                keep -= hi - lo
+        return out
+
+    def _mem_chunk(self, gi: int, ci: int, key: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        k = (gi, ci, key)
+        if k not in self._mem:
+            lo, hi = self.chunks[gi][ci]
+            self._mem[k] = torch.zeros(hi - lo, dtype=dtype)
+        return self._mem[k]
 
     # ---------------------------------------------------------------- buffers and names
     @staticmethod
@@ -100,7 +124,12 @@ class NvmeOptimizerStore:
     def write_full(self, gi: int, key: str, t: Tensor) -> None:
         """Write a resident shard-shaped tensor to its chunk files (through the ring buffers)."""
         flat = t.reshape(-1)
+        if key in ("exp_avg", "exp_avg_sq"):
+            self._has_state[gi] = True
         for ci, (lo, hi) in enumerate(self.chunks[gi]):
+            if (gi, ci) in self.in_memory:
+                self._mem_chunk(gi, ci, key, t.dtype).copy_(flat[lo:hi])
+                continue
             slot = ci % RING
             self._claim(slot)
             buf = self._buf(slot, "io", t.dtype)[: hi - lo]
@@ -115,6 +144,9 @@ class NvmeOptimizerStore:
         pending: dict[int, Optional[SwapOp]] = {}
 
         def start(ci: int) -> None:
+            if (gi, ci) in self.in_memory:
+                pending[ci] = None
+                return
             slot = ci % RING
             self._claim(slot)
             lo, hi = chunks[ci]
@@ -128,7 +160,9 @@ class NvmeOptimizerStore:
             if ci + RING - 1 < len(chunks):
                 start(ci + RING - 1)
             op = pending.pop(ci)
-            if op is None:
+            if (gi, ci) in self.in_memory:
+                flat[lo:hi].copy_(self._mem_chunk(gi, ci, key, t.dtype))
+            elif op is None:
                 flat[lo:hi].zero_()
             else:
                 op.wait()
@@ -149,10 +183,13 @@ class NvmeOptimizerStore:
         """
         keys = ("master", "exp_avg", "exp_avg_sq")
         chunks = self.chunks[gi]
-        fresh_state = not self.swapper.has(self.name(gi, 0, "exp_avg"))
+        fresh_state = not self._has_state[gi]
         reads: dict[int, list[SwapOp]] = {}
 
         def start_read(ci: int) -> None:
+            if (gi, ci) in self.in_memory:
+                reads[ci] = []
+                return
             slot = ci % RING
             self._claim(slot)
             lo, hi = chunks[ci]
@@ -172,12 +209,16 @@ class NvmeOptimizerStore:
             for op in reads.pop(ci):
                 op.wait()
             slot = ci % RING
-            m, ea, eas = (self._buf(slot, k, torch.float32)[: hi - lo] for k in keys)
+            mem = (gi, ci) in self.in_memory
+            m, ea, eas = (self._mem_chunk(gi, ci, k) if mem else self._buf(slot, k, torch.float32)[: hi - lo]
+                          for k in keys)
             out16 = out[lo:hi] if out is not None and out.dtype != torch.float32 else None
             update(m, grad[lo:hi], ea, eas, out16)
             if out is not None and out16 is None:
                 out[lo:hi].copy_(m)
-            self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
+            if not mem:
+                self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
+        self._has_state[gi] = True
         self.flush()
 
     # ---------------------------------------------------------------- checkpoints and other readers

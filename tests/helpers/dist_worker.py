@@ -94,7 +94,7 @@ class MemoryProbe(pl.Callback):
 
 def offload_kwargs(opts: dict[str, str]) -> dict[str, object]:
     """Spec keys oopt/oparams (none|cpu|nvme), nvme (set by ``run`` to a fresh directory), chunk_mb,
-    dpu (delayed parameter update after that many warm-up steps)."""
+    frac (nvme_fraction), dpu (delayed parameter update after that many warm-up steps)."""
     out: dict[str, object] = {}
     for key, name in (("oopt", "offload_optimizer"), ("oparams", "offload_params")):
         if key in opts:
@@ -103,6 +103,8 @@ def offload_kwargs(opts: dict[str, str]) -> dict[str, object]:
         out["nvme_path"] = opts["nvme"]
     if "chunk_mb" in opts:
         out["nvme_chunk_mb"] = float(opts["chunk_mb"])
+    if "frac" in opts:
+        out["nvme_fraction"] = float(opts["frac"])
     if "dpu" in opts:
         out["delayed_param_update"], out["delayed_param_update_warmup"] = True, int(opts["dpu"])
     return out

@@ -28,6 +28,8 @@ def test_bytes_per_parameter_on_one_gpu() -> None:
     assert _e("zero2_offload").gpu_bytes == 2 * P + 2 * 2 * 25 * 2**20  # parameters + two gradient buckets
     assert _e("zero3_offload").cpu_bytes == 16 * P  # the step writes the 16-bit partitions in place
     assert _e("zero3_offload_nvme").nvme_bytes == 14 * P  # masters, moments and 16-bit partitions
+    half = _e("zero3_offload_nvme", nvme_fraction=0.5)
+    assert half.nvme_bytes == 8 * P and half.cpu_bytes == _e("zero3_offload_nvme").cpu_bytes + 6 * P
     assert _e("zero3_offload", compute_bytes=4).cpu_bytes == 20 * P  # fp32: masters are uploaded directly
     assert _e("zero2_offload", accumulate=True).cpu_bytes == 20 * P  # + an fp32 accumulator
     assert _e("zero2_offload", delayed_update=True).cpu_bytes == 20 * P  # two gradient and upload buffers
@@ -88,11 +90,18 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "| yes |" in offload and "(CPU)" in offload
 
 
+def test_cli_picks_an_nvme_fraction_that_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    """10B parameters, 120 GiB of RAM, 60 GiB of disk: neither alone holds the states, the split does."""
+    cli.main(["--params", "10e9", "--gpu-mem-gib", "80", "--host-mem-gib", "120", "--nvme-gib", "60"])
+    row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| zero3 optimizer=nvme params=cpu"))
+    assert "(nvme_fraction 0.5)" in row and "| yes |" in row
+
+
 def test_cli_entry_point() -> None:
     proc = subprocess.run([sys.executable, "-m", "lightning_zero.estimate", "--params", "1.3B", "--gpus", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "1.30B parameters on 1 node(s) x 2 GPU(s)" in proc.stdout and "| zero3_offload_nvme |" in proc.stdout
+    assert "1.30B parameters on 1 node(s) x 2 GPU(s)" in proc.stdout and "| zero3_offload_nvme (nvme_fraction" in proc.stdout
 
 
 def test_cli_rejects_bad_counts() -> None:

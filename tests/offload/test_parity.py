@@ -20,6 +20,7 @@ PARITY = {
     "zero3_offload": "zero3:oopt=cpu,oparams=cpu",
     "zero2_offload_nvme": "zero2:oopt=nvme,nvme=1,chunk_mb=0.004",
     "zero3_offload_nvme": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004",
+    "zero3_nvme_half_in_memory": "zero3:oopt=nvme,oparams=cpu,nvme=1,chunk_mb=0.004,frac=0.5",
     "zero3_dpu_in_warmup": "zero3:oopt=cpu,oparams=cpu,dpu=1000",  # delayed update never starts: exact
 }
 SGD = {"zero2_offload_sgd": "zero2:oopt=cpu,opt=sgd", "zero3_offload_nvme_sgd": "zero3:oopt=nvme,oparams=nvme,nvme=1,opt=sgd"}

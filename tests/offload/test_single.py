@@ -123,3 +123,39 @@ def test_host_and_nvme_memory_within_15_percent_of_the_estimate(tmp_path: Path, 
     e = est.estimate(setting, w)
     assert abs(probe.host - e.cpu_bytes) <= 0.15 * e.cpu_bytes, (probe.host, e.cpu_bytes)
     assert abs(probe.nvme - e.nvme_bytes) <= 0.15 * max(e.nvme_bytes, 1), (probe.nvme, e.nvme_bytes)
+
+
+def test_registered_names_just_work() -> None:
+    import lightning_zero  # noqa: F401  (registers the names)
+    from tests.helpers.parity_model import ParityNet
+
+    pl.seed_everything(0)
+    model = ParityNet()
+    trainer = pl.Trainer(strategy="zero3_offload", accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, use_distributed_sampler=False)
+    trainer.fit(model)
+    cfg = trainer.strategy.config
+    assert (cfg.stage, cfg.offload_optimizer, cfg.offload_params) == (3, "cpu", "cpu") and len(model.losses) == 2
+
+
+class EditInPlace(pl.Callback):
+    """User code changes a weight through ``gathered_params(writeback=True)`` between steps."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step != 2:
+            return
+        weight = pl_module.blocks[0].up.weight
+        with trainer.strategy.gathered_params(pl_module.blocks[0], writeback=True):
+            weight.data.fill_(0.25)
+        with trainer.strategy.gathered_params(pl_module.blocks[0]):
+            self.seen = weight.detach().clone()
+        with trainer.strategy.engines[0].host_state():
+            self.state = trainer.strategy.lightning_module_state_dict()
+
+
+def test_gathered_params_writeback_reaches_the_swap_files(tmp_path: Path) -> None:
+    cb = EditInPlace()
+    fit(steps=3, callbacks=[cb], stage=3, offload_optimizer="nvme", offload_params="nvme", nvme_path=str(tmp_path))
+    assert torch.all(cb.seen == 0.25)
+    assert torch.all(cb.state["blocks.0.up.weight"] == 0.25)
