@@ -38,6 +38,7 @@ from typing import Any, Optional
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -48,7 +49,7 @@ import lightning.pytorch as pl  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from data import TextDataModule  # noqa: E402
-from gpt import GPTConfig, GPTModule, lr_lambda  # noqa: E402
+from gpt import GPT, GPTConfig, lr_lambda  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.optim import OneBitAdam, OneBitLamb  # noqa: E402
 
@@ -63,22 +64,32 @@ LR = {"adam": 1e-3, "onebit_adam": 1e-3, "lamb": 1e-2, "onebit_lamb": 1e-2}
 NEVER = 10**9
 
 
-class Module(GPTModule):
+class Module(pl.LightningModule):
+    """Next-token cross-entropy of the example GPT: decay on Linear weights only, warm-up + cosine LR."""
+
     def __init__(self, cfg: GPTConfig, kind: str, steps: int, freeze: int) -> None:
-        super().__init__(model=cfg, lr=LR[kind], max_steps=steps, warmup_steps=max(1, steps // 10))
-        self.kind, self.freeze = kind, freeze
+        super().__init__()
+        self.cfg, self.kind, self.steps, self.freeze = cfg, kind, steps, freeze
+        self.model = GPT(cfg)
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x).float().view(-1, self.cfg.vocab_size), y.reshape(-1))
 
     def configure_optimizers(self) -> Any:
-        o, groups = self.optim, self.param_groups()
-        common = dict(lr=o.lr, betas=o.betas, eps=o.eps)
+        decay = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        ids = {id(p) for p in decay}
+        rest = [p for p in self.model.parameters() if id(p) not in ids]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+        common = dict(lr=LR[self.kind], betas=(0.9, 0.95), eps=1e-8)
         if self.kind == "adam":
             opt: torch.optim.Optimizer = torch.optim.AdamW(groups, **common)
         elif self.kind == "onebit_adam":
             opt = OneBitAdam(groups, freeze_step=self.freeze, **common)
         else:
             opt = OneBitLamb(groups, freeze_step=self.freeze if self.kind == "onebit_lamb" else NEVER, **common)
-        horizon, warmup, floor = self.max_steps, o.warmup_steps, o.min_lr_ratio
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, horizon, floor))
+        horizon, warmup = self.steps, max(1, self.steps // 10)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, horizon, 0.1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

@@ -6,7 +6,9 @@ ZeroStrategy the engine all-reduces them in full precision, as for any optimizer
 the variance is frozen, the caller stops averaging gradients (``needs_gradient_allreduce()`` says
 when), and each rank's momentum, updated with its *local* gradient, is averaged by the backend's
 error-compensated 1-bit all-reduce. The phase is not stored: it follows from the step count in the
-optimizer state, so a checkpoint restores it with the moments.
+optimizer state, so a checkpoint restores it with the moments. Gradient clipping in the compression
+phase uses the root mean square of the ranks' local gradient norms (the averaged gradient never
+exists; ZeroEngine.global_grad_norm_sq), so every rank clips alike and agrees on fp16 overflow skips.
 
 [Note: flat parameters and segments]
 ZeroStrategy re-points each param group at one flat fp32 master (zero/flat_group.py), so one

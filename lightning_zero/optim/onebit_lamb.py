@@ -200,7 +200,8 @@ class OneBitLamb(OneBitOptimizer):
             factor = factor * share + (1.0 - share)
         factor = factor.clamp(self.factor_min, self.factor_max)
         last = st.last_factor
-        factor = torch.minimum(torch.maximum(factor, last * (1.0 - self.factor_threshold)), last * (1.0 + self.factor_threshold))
+        thr = self.factor_threshold
+        factor = torch.minimum(torch.maximum(factor, last * (1.0 - thr)), last * (1.0 + thr))
         st.last_factor = factor
         ratio = st.coeff_avg * factor
         p.sub_((group["lr"] * seg.expand(ratio, 0.0)).view_as(p) * update)

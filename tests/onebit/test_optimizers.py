@@ -197,7 +197,7 @@ def _trainer(stage: int, steps: int = 6) -> Trainer:
     )
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_unsupported_stage_is_a_clear_error_before_training(stage: int) -> None:
     model = OneBitNet(OneBitAdam, freeze_step=2)
     with pytest.raises(ValueError, match=rf"stage\(s\) \[0\] only, got stage {stage}.*zero0"):

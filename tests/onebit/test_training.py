@@ -27,7 +27,8 @@ def test_converges_like_the_exact_optimizer(runs: dict, onebit: str, baseline: s
     assert len(got["losses"]) == len(ref["losses"]) >= 300
     assert got["freeze_step"] == 45
     assert ref["val_loss"] < 0.75 * ref["losses"][0]  # the baseline really learned something
-    assert _final(got) <= 1.03 * _final(ref), (onebit, _final(got), baseline, _final(ref))
+    # not worse by more than 3% (and not so much better that the baseline must be broken)
+    assert 0.9 * _final(ref) <= _final(got) <= 1.03 * _final(ref), (onebit, _final(got), baseline, _final(ref))
     # identical warm-up data and math: the first steps agree closely with the exact optimizer
     for a, b in zip(got["losses"][:20], ref["losses"][:20]):
         assert abs(a - b) <= 1e-3 * abs(b)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset  # noqa: E40
 
 import lightning_zero  # noqa: E402
 from data import TextDataModule  # noqa: E402
-from gpt import GPTConfig, GPTModule, lr_lambda  # noqa: E402
+from gpt import GPT, GPTConfig, lr_lambda  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.optim import FusedLamb, OneBitAdam, OneBitLamb  # noqa: E402
 from tests.onebit.bytecount import count_collectives  # noqa: E402
@@ -46,17 +47,33 @@ LAMB_LR = float(os.environ.get("ONEBIT_LAMB_LR", "3e-2"))
 LR = {"adam": 2e-3, "onebit_adam": 2e-3, "lamb": LAMB_LR, "onebit_lamb": LAMB_LR}
 
 
-class Module(GPTModule):
-    """The example GPT with the optimizer under test (same param groups and LR schedule as the example)."""
+class Module(pl.LightningModule):
+    """Next-token cross-entropy of the example GPT with the optimizer under test: decay on Linear
+    weights only, linear LR warm-up then cosine (examples/gpt.py's schedule)."""
 
     def __init__(self, kind: str, max_steps: int, freeze_step: int) -> None:
-        super().__init__(model=MODEL, lr=LR[kind], max_steps=max_steps, warmup_steps=max_steps // 10)
-        self.kind = kind
-        self.freeze_step = freeze_step
+        super().__init__()
+        self.model = GPT(MODEL)
+        self.kind, self.max_steps, self.freeze_step = kind, max_steps, freeze_step
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x).float().view(-1, MODEL.vocab_size), y.reshape(-1))
+
+    def training_step(self, batch: Any, idx: int) -> torch.Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        self.log("val/loss", self._loss(batch), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
-        o, groups = self.optim, self.param_groups()
-        common = dict(lr=o.lr, betas=o.betas, eps=o.eps)
+        decay = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        ids = {id(p) for p in decay}
+        groups = [
+            {"params": decay, "weight_decay": 0.1},
+            {"params": [p for p in self.model.parameters() if id(p) not in ids], "weight_decay": 0.0},
+        ]
+        common = dict(lr=LR[self.kind], betas=(0.9, 0.95), eps=1e-8)
         if self.kind == "adam":
             opt: torch.optim.Optimizer = torch.optim.AdamW(groups, **common)
         elif self.kind == "onebit_adam":
@@ -65,8 +82,8 @@ class Module(GPTModule):
             opt = FusedLamb(groups, **common)
         else:
             opt = OneBitLamb(groups, freeze_step=self.freeze_step, **common)
-        horizon, warmup, floor = self.max_steps, o.warmup_steps, o.min_lr_ratio
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, horizon, floor))
+        horizon, warmup = self.max_steps, self.max_steps // 10
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup, horizon, 0.1))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 

@@ -141,7 +141,9 @@ class TorchDistBackend:
     def compressed_average_(self, tensor: Tensor, errors: ErrorFeedback) -> Tensor:
         layout = errors.layout
         if layout.numel != tensor.numel() or layout.world != self.world_size:
-            raise ValueError(f"error buffers planned for {layout}, got {tensor.numel()} elements on {self.world_size} ranks")
+            raise ValueError(
+                f"error buffers planned for {layout}, got {tensor.numel()} elements on {self.world_size} ranks"
+            )
         if self.world_size == 1:
             return tensor
         dev = errors.worker.device

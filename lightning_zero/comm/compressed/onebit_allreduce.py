@@ -17,8 +17,9 @@ Per rank, the wire carries ``(N-1)/N * n/8`` bytes of signs in step 2 and ``(N-1
 :class:`OneBitLayout` pads ``numel`` to ``N * server_numel``; ``server_numel`` is a multiple of the
 scale ``block`` (itself a multiple of 8, at most the requested one, evened out so that padding
 costs less than 8 elements per block), so every server chunk starts on a byte and on a block and
-can be sent on its own, and one compress call covers the whole padded vector. One chunk's payload is ``[signs (server_numel/8 bytes) | scales (4 bytes each)]``,
-so each step is ONE collective (latency matters for small models as much as bandwidth for large).
+can be sent on its own, and one compress call covers the whole padded vector. One chunk's
+payload is ``[signs (server_numel/8 bytes) | scales (4 bytes each)]``, so each step is ONE
+collective (latency matters for small models as much as bandwidth does for large ones).
 
 [Note: bit-exact oracle]
 :func:`simulate_onebit_allreduce` runs every rank of the algorithm in one process with plain
