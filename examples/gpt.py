@@ -5,8 +5,18 @@ benchmark model (``conf/model/gpt_1b.yaml``). It deliberately contains what stre
 a weight shared by two uses (the tied embedding / output head), parameter groups with different weight
 decay, an LR scheduler stepped every step, and optional activation checkpointing.
 
-The model is built in :meth:`GPTModule._build_model` only, so that a later ZeRO-3 issue can move the call
-into ``configure_model`` (sharded construction) without touching anything else.
+Two forms of one network, with the same layers and the same GPT-2 initialisation:
+
+* :class:`GPT`, a plain ``nn.Module`` (``blocks`` in an ``nn.ModuleList``), what the benchmarks and
+  Lightning's peers (FSDP, DeepSpeed) train;
+* :func:`gpt_pipeline`, the same layers as a :class:`lightning_zero.pipeline.PipelineModule`
+  (:func:`gpt_layer_specs`: tied embedding, blocks, final LayerNorm, the embedding again as the head),
+  what :class:`GPTModule` trains by default, so that one LightningModule runs under every strategy:
+  in sequence under ``ddp``/``zero0-3``, as pipeline stages under ``strategy=pipeline``.
+
+:class:`GPTModule` trains whichever of the two its :meth:`GPTModule._build_model` (or a subclass's
+``configure_model``) puts in ``self.model``; its checkpoints load into either form
+(:func:`convert_gpt_state_dict`).
 """
 
 from __future__ import annotations
@@ -22,6 +32,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
+
+from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
+
+INIT_STD = 0.02
+"""GPT-2's initialisation: weights ~ N(0, 0.02); residual projections scaled by 1/sqrt(2 * n_layer)."""
 
 
 @dataclass
@@ -100,6 +115,24 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.residual_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
+        self.reset_parameters()
+
+    def residual_projections(self) -> tuple[nn.Linear, nn.Linear]:
+        """The Linear layers writing into the residual stream (GPT-2 scales their initialisation)."""
+        return self.attn.proj, self.mlp.proj
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation of this block: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer))."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        for proj in self.residual_projections():
+            nn.init.normal_(proj.weight, mean=0.0, std=self.residual_std)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -122,20 +155,20 @@ class GPT(nn.Module):
         self.lm_head: Optional[nn.Linear] = (
             None if cfg.tie_weights else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
-        self.reset_parameters()
+        self._reset_outer_parameters()  # the blocks initialised themselves
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if isinstance(module, nn.Linear) and module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
         for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer))
+            block.reset_parameters()
+        self._reset_outer_parameters()
+
+    def _reset_outer_parameters(self) -> None:
+        for emb in (self.wte, self.wpe):
+            nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
+        self.ln_f.reset_parameters()
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=INIT_STD)
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids (batch, time) -> next-token logits (batch, time, vocab)."""
@@ -151,6 +184,126 @@ class GPT(nn.Module):
         if self.lm_head is None:
             return F.linear(h, self.wte.weight)
         return self.lm_head(h)
+
+
+def lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Next-token cross-entropy (mean over tokens), computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1))
+
+
+class Embeddings(nn.Module):
+    """Token + position embedding, the first layer of :func:`gpt_layer_specs`.
+
+    Called as ``emb(h, head=True)`` it is the tied output head ``h @ wte.weight.T``: the head goes
+    through the module's ``__call__`` (not ``F.linear(h, emb.wte.weight)`` from outside) so that
+    whatever hooks a strategy puts on the module (ZeRO-3 gathers a unit's parameters in its forward
+    pre-hook) see both uses.
+    """
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for emb in (self.wte, self.wpe):
+            nn.init.normal_(emb.weight, mean=0.0, std=INIT_STD)
+
+    def forward(self, x: Tensor, head: bool = False) -> Tensor:
+        """Token ids (batch, time) -> embeddings; with ``head=True`` hidden states -> logits."""
+        if head:
+            return F.linear(x, self.wte.weight)
+        t = x.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"Sequence of length {t} exceeds the model's seq_len {self.seq_len}.")
+        return self.drop(self.wte(x) + self.wpe(torch.arange(t, device=x.device)))
+
+
+class LMHead(nn.Linear):
+    """The untied output head (``tie_weights=False``), GPT-2 initialised."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.d_model, cfg.vocab_size, bias=False)
+
+    @override
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=INIT_STD)
+
+
+def tied_lm_head(embeddings: nn.Module, h: Tensor) -> Tensor:
+    """``forward_fn`` of the head position: the tied embedding module used as the output projection."""
+    return embeddings(h, head=True)
+
+
+TIED_KEY = "embed"
+"""Tie key of the embedding/head module: its parameters are ``tied.embed.*`` in the PipelineModule."""
+
+
+def gpt_layer_specs(cfg: GPTConfig) -> list[LayerSpec]:
+    """:class:`GPT` as a flat layer list: embedding, ``n_layer`` blocks, final LayerNorm, head.
+
+    Position ``0`` is the embedding, ``1..n_layer`` the blocks, ``n_layer + 1`` the final LayerNorm and
+    ``n_layer + 2`` the head: with tied weights the embedding module again (one
+    :class:`~lightning_zero.pipeline.TiedLayerSpec` key, so under pipeline stages the first and last
+    stage each hold a copy and their gradients are summed), untied an :class:`LMHead`.
+    """
+    blocks = [LayerSpec(Block, cfg) for _ in range(cfg.n_layer)]
+    final_norm = LayerSpec(nn.LayerNorm, cfg.d_model, bias=cfg.bias)
+    if cfg.tie_weights:
+        return [
+            TiedLayerSpec(TIED_KEY, Embeddings, cfg), *blocks, final_norm,
+            TiedLayerSpec(TIED_KEY, Embeddings, cfg, forward_fn=tied_lm_head),
+        ]
+    return [LayerSpec(Embeddings, cfg), *blocks, final_norm, LayerSpec(LMHead, cfg)]
+
+
+def gpt_pipeline(cfg: GPTConfig, partition: Any = "parameters") -> PipelineModule:
+    """:class:`GPT` as a :class:`~lightning_zero.pipeline.PipelineModule` returning the LM loss.
+
+    ``pipe((idx, targets))`` is the loss, ``pipe.predict(idx)`` the logits. ``partition`` splits the
+    layers into stages (default: balanced parameter counts, the tied embedding counted at both ends,
+    which for GPT shapes roughly balances compute too). Activation checkpointing recomputes every
+    layer (``activation_checkpoint_interval=1``).
+    """
+    return PipelineModule(
+        gpt_layer_specs(cfg), lm_loss, partition=partition,
+        activation_checkpoint_interval=1 if cfg.activation_checkpointing else 0,
+    )
+
+
+def _module_renames(cfg: GPTConfig) -> list[tuple[str, str]]:
+    """(name in :class:`GPT`, name in :func:`gpt_pipeline`) of every module holding parameters."""
+    n = cfg.n_layer
+    emb = f"tied.{TIED_KEY}" if cfg.tie_weights else "layers.0"
+    pairs = [("wte", f"{emb}.wte"), ("wpe", f"{emb}.wpe"), ("ln_f", f"layers.{n + 1}")]
+    pairs += [(f"blocks.{i}", f"layers.{i + 1}") for i in range(n)]
+    if not cfg.tie_weights:
+        pairs.append(("lm_head", f"layers.{n + 2}"))
+    return pairs
+
+
+def convert_gpt_state_dict(
+    state: Mapping[str, Any], cfg: GPTConfig, to_pipeline: bool, prefix: str = "model."
+) -> dict[str, Any]:
+    """Rename the keys of a :class:`GPT` state dict to :func:`gpt_pipeline`'s (``to_pipeline=True``) or
+    back. Keys under ``prefix`` that already have the target form, and all other keys, are kept."""
+    pairs = _module_renames(cfg)
+    if not to_pipeline:
+        pairs = [(b, a) for a, b in pairs]
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        new = key
+        if key.startswith(prefix):
+            rest = key[len(prefix):]
+            for src, dst in pairs:
+                if rest.startswith(src + "."):
+                    new = prefix + dst + rest[len(src):]
+                    break
+        out[new] = value
+    return out
 
 
 def matmul_params(cfg: GPTConfig) -> int:
@@ -217,10 +370,13 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
 
 
 class GPTModule(L.LightningModule):
-    """Next-token cross-entropy training of :class:`GPT`, with AdamW/Adam/SGD and warm-up + cosine LR.
+    """Next-token cross-entropy training of the GPT, with AdamW/Adam/SGD and warm-up + cosine LR.
 
-    ``max_steps`` is the horizon of the cosine schedule; None takes the trainer's estimate at
-    ``configure_optimizers`` time. The module exposes ``flops_per_token`` for
+    With ``pipeline=True`` (default) ``self.model`` is :func:`gpt_pipeline` (a PipelineModule), so the
+    same module trains under every strategy, pipeline stages included; with ``pipeline=False`` it is the
+    plain :class:`GPT`. The steps work with either, whichever ``_build_model`` (or a subclass's
+    ``configure_model``) put there. ``max_steps`` is the horizon of the cosine schedule; None takes the
+    trainer's estimate at ``configure_optimizers`` time. The module exposes ``flops_per_token`` for
     :class:`lightning_zero.logging.ZeroMetrics`.
     """
 
@@ -237,6 +393,7 @@ class GPTModule(L.LightningModule):
         momentum: float = OptimConfig.momentum,
         fused: Optional[bool] = OptimConfig.fused,
         min_lr_ratio: float = OptimConfig.min_lr_ratio,
+        pipeline: bool = True,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -247,11 +404,13 @@ class GPTModule(L.LightningModule):
             momentum=momentum, fused=fused, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
         )
         self.max_steps = max_steps
+        self.use_pipeline = bool(pipeline)
         # Plain containers only (exactly this constructor's arguments), so load_from_checkpoint can rebuild
         # the module and TensorBoard can show them.
         optim = asdict(self.optim)
         self.save_hyperparameters(
-            {"model": asdict(self.config), "max_steps": max_steps, "optimizer": optim.pop("name"), **optim}
+            {"model": asdict(self.config), "max_steps": max_steps, "optimizer": optim.pop("name"), **optim,
+             "pipeline": self.use_pipeline}
         )
         self.flops_per_token = flops_per_token(self.config)
         self.model = self._build_model()
@@ -261,30 +420,59 @@ class GPTModule(L.LightningModule):
 
         ZeRO-3 materialises a ``configure_model``-built network one unit at a time and calls this hook
         for each module it materialises (after the module's own ``reset_parameters``), so the result
-        matches :meth:`GPT.reset_parameters` without the whole model ever existing on one rank.
+        matches :meth:`GPT.reset_parameters` (or, in a PipelineModule, the layers' own initialisation:
+        every :class:`Block`'s residual projections scaled) without the whole model ever existing on
+        one rank.
         """
         if not isinstance(module, (nn.Linear, nn.Embedding)):
             return
-        std = 0.02
-        blocks = getattr(self.model, "blocks", None) or []
-        if any(module is b.attn.proj or module is b.mlp.proj for b in blocks):
+        std = INIT_STD
+        if id(module) in self._residual_projections():
             std /= math.sqrt(2 * self.config.n_layer)
         nn.init.normal_(module.weight, mean=0.0, std=std)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def _build_model(self) -> GPT:
-        """The one place the network is constructed (a ZeRO-3 issue will call it from configure_model)."""
-        return GPT(self.config)
+    def _residual_projections(self) -> set[int]:
+        """ids of every block's residual projections, in whichever form ``self.model`` has."""
+        model = getattr(self, "model", None)
+        if model is None:
+            return set()
+        return {id(p) for m in model.modules() if isinstance(m, Block) for p in m.residual_projections()}
+
+    def _build_model(self) -> Union[PipelineModule, GPT]:
+        """The one place the network is constructed.
+
+        Subclasses may return None here and build it in ``configure_model`` instead (ZeRO-3's sharded
+        initialisation, see ``benchmarks/peers_worker.py``). A PipelineModule builds its layers lazily,
+        on first use: built in ``configure_model``, call its ``materialize()`` there, so that the layers
+        are created inside the strategy's sharded context.
+        """
+        return gpt_pipeline(self.config) if self.use_pipeline else GPT(self.config)
 
     @override
     def forward(self, idx: Tensor) -> Tensor:
+        """Token ids -> logits (under pipeline stages: computed by the last stage, returned on every rank)."""
+        if isinstance(self.model, PipelineModule):
+            return self.model.predict(idx)
         return self.model(idx)
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        if isinstance(self.model, PipelineModule):
+            # Under pipeline stages this runs the whole schedule (backward included when training) and
+            # returns the mean loss over micro-batches on every rank.
+            return self.model((x, y))
+        return lm_loss(self(x), y)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Checkpoints of either form load into either (keys renamed by :func:`convert_gpt_state_dict`)."""
+        state = checkpoint.get("state_dict")
+        model = getattr(self, "model", None)
+        if isinstance(state, Mapping) and model is not None:
+            to_pipeline = isinstance(model, PipelineModule)
+            checkpoint["state_dict"] = convert_gpt_state_dict(state, self.config, to_pipeline=to_pipeline)
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -337,6 +525,7 @@ class GPTModule(L.LightningModule):
 
 
 __all__ = [
-    "GPTConfig", "GPT", "Block", "GPTModule", "OptimConfig", "OPTIMIZERS",
+    "GPTConfig", "GPT", "Block", "Embeddings", "LMHead", "GPTModule", "OptimConfig", "OPTIMIZERS",
+    "gpt_layer_specs", "gpt_pipeline", "convert_gpt_state_dict", "lm_loss",
     "flops_per_token", "matmul_params", "lr_lambda",
 ]

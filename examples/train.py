@@ -3,6 +3,7 @@
     python examples/train.py                                   # default job: gpt_small, zero2, 2 CPU procs / all GPUs
     python examples/train.py strategy=zero1 precision=bf16-mixed trainer.max_steps=200
     python examples/train.py strategy=ddp model=gpt_tiny trainer=debug logger=none
+    python examples/train.py strategy=pipeline                 # the same GPTModule as 2 pipeline stages x zero1
     python examples/train.py --cfg job                         # print the composed config and exit
 
 Each run writes to ``runs/<date>/<time>/`` (config, logs, TensorBoard events in ``tb/``, checkpoints).

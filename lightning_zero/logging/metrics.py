@@ -1,9 +1,16 @@
 """``ZeroMetrics``: a Lightning callback that logs learning rate, gradient norm, loss scale, throughput,
-step time, peak memory and (on GPU) achieved TFLOP/s and MFU to the trainer's loggers.
+step time, peak memory, (on GPU) achieved TFLOP/s and MFU, (pipeline runs) the pipeline bubble and
+(1-bit optimizers) compressed-communication statistics to the trainer's loggers.
 
 Why a callback and not code in the strategy: the same numbers must come out of every strategy we compare
 against (``ddp``, ``fsdp``, DeepSpeed), so the callback reads what a strategy offers through optional
-attributes (``grad_norm``, ``loss_scale``, ``skipped_steps``) and never requires them.
+attributes (``grad_norm``, ``loss_scale``, ``skipped_steps``, ``dims``, ``pipeline_bubble``) and what an
+optimizer offers (``comm_stats``), and never requires them.
+
+[Note: tokens per second] Tokens/s count each batch once: a rank's batch times the data-parallel
+degree (``strategy.dims.dp``; without ``dims``, the world size). Under pipeline parallelism the stages
+of one pipeline all see the same batch, so multiplying by the world size would count it once per stage.
+TFLOP/s per device still divide by the world size: every device does a share of the total work.
 
 [Note: timing windows] Step time and tokens/s are averaged over the ``log_every_n_steps`` steps since the
 last log, measured with one device synchronisation per log (not per step, which would serialise the
@@ -58,6 +65,63 @@ def achieved_flops(flops_per_token: float, tokens_per_s: float, world_size: int)
     return flops_per_token * tokens_per_s / world_size
 
 
+def data_parallel_size(trainer: Trainer) -> int:
+    """Ranks that train on different batches: ``strategy.dims.dp`` when the strategy has it, else the
+    world size (see [Note: tokens per second])."""
+    dp = getattr(getattr(trainer.strategy, "dims", None), "dp", None)
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1:
+        return dp
+    return trainer.world_size
+
+
+def _as_float(value: Any) -> Optional[float]:
+    """A Python number or one-element tensor as a float; None for anything else (strings, None)."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    return None
+
+
+BUBBLE_KEYS = (
+    ("theoretical", "pipeline/bubble_theoretical"),
+    ("measured", "pipeline/bubble_measured"),
+    ("measured_stage", "pipeline/bubble_measured_stage"),
+)
+"""``strategy.pipeline_bubble`` entry -> logged key."""
+
+
+def pipeline_metrics(strategy: Any) -> dict[str, float]:
+    """The pipeline bubble from ``strategy.pipeline_bubble`` (``{theoretical, measured, measured_stage}``,
+    fractions of the step time; None entries, e.g. before the first measured step, are left out)."""
+    bubble = getattr(strategy, "pipeline_bubble", None)
+    if not isinstance(bubble, Mapping):
+        return {}
+    values = {name: _as_float(bubble.get(key)) for key, name in BUBBLE_KEYS}
+    return {name: v for name, v in values.items() if v is not None and math.isfinite(v)}
+
+
+def communication_metrics(optimizers: Sequence[Any]) -> dict[str, float]:
+    """Compressed-communication statistics of optimizers that expose ``comm_stats`` (1-bit Adam/LAMB:
+    bytes sent compressed vs. a 16-bit all-reduce of the same vector, the phase, ...).
+
+    Keys are the optimizer's own when they carry a namespace (``onebit/bytes_sent``), else ``comm/<key>``;
+    the second and later optimizers get a ``_opt<i>`` suffix. Non-numeric values are skipped.
+    """
+    out: dict[str, float] = {}
+    for i, optimizer in enumerate(optimizers):
+        stats = getattr(optimizer, "comm_stats", None)
+        if not isinstance(stats, Mapping):
+            continue
+        suffix = f"_opt{i}" if i else ""
+        for key, value in stats.items():
+            number = _as_float(value)
+            if number is not None and math.isfinite(number):
+                name = str(key) if "/" in str(key) else f"comm/{key}"
+                out[name + suffix] = number
+    return out
+
+
 def count_tokens(batch: Any) -> int:
     """Tokens in a batch: the element count of its first tensor (the (batch, time) input ids)."""
     if isinstance(batch, torch.Tensor):
@@ -85,9 +149,15 @@ class ZeroMetrics(Callback):
 
     Keys: ``train/lr`` (first param group), ``train/grad_norm`` (global, before clipping, unscaled),
     ``train/loss_scale`` (16-mixed), ``train/skipped_steps`` (fp16 overflows), ``perf/tokens_per_s``
-    (all ranks together), ``perf/step_time_s``, ``perf/peak_memory_gib`` (CUDA max allocated) or
-    ``perf/peak_rss_gib`` (CPU), and on CUDA ``perf/tflops_per_device`` and ``perf/mfu``. Values come from
-    rank 0 (Lightning's loggers write only there). The loss is logged by the LightningModule.
+    (all data-parallel replicas together), ``perf/step_time_s``, ``perf/peak_memory_gib`` (CUDA max
+    allocated) or ``perf/peak_rss_gib`` (CPU), and on CUDA ``perf/tflops_per_device`` and ``perf/mfu``.
+    Pipeline runs (``strategy.pipeline_bubble``): ``pipeline/bubble_theoretical`` ((P-1)/(M+P-1)),
+    ``pipeline/bubble_measured`` (idle fraction of the average stage) and
+    ``pipeline/bubble_measured_stage`` (the logging rank's stage, i.e. the first). Optimizers with
+    ``comm_stats`` (1-bit Adam/LAMB): their statistics, e.g. ``onebit/bytes_sent`` (compressed) beside
+    ``onebit/bytes_16bit_allreduce`` (uncompressed) and ``onebit/phase`` (0 warm-up, 1 compressed).
+    Values come from rank 0 (Lightning's loggers write only there). The loss is logged by the
+    LightningModule.
 
     Args:
         log_every_n_steps: logging period in optimizer steps; None follows ``Trainer(log_every_n_steps=)``.
@@ -96,7 +166,8 @@ class ZeroMetrics(Callback):
         peak_flops: the device's peak FLOP/s for MFU; None looks the device name up in
             :data:`PEAK_BF16_FLOPS` (bf16 peaks, so 32-true runs show a low MFU by construction).
         tokens_per_batch: counts the tokens in one rank's batch; default :func:`count_tokens`.
-            Tokens/s multiply it by the world size (every rank sees a batch of the same shape).
+            Tokens/s multiply it by the data-parallel degree (every replica sees a batch of the same
+            shape; see [Note: tokens per second]).
     """
 
     def __init__(
@@ -170,6 +241,8 @@ class ZeroMetrics(Callback):
             return  # mid-accumulation, or not a logging step
         metrics = self._training_metrics(trainer)
         metrics.update(self._performance_metrics(trainer, step))
+        metrics.update(pipeline_metrics(trainer.strategy))
+        metrics.update(communication_metrics(trainer.optimizers))
         # Label with the step the LightningModule's self.log uses for this batch (Lightning's own
         # LearningRateMonitor does the same), so the loss and these metrics line up in TensorBoard.
         log_step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
@@ -232,7 +305,7 @@ class ZeroMetrics(Callback):
         out: dict[str, float] = {}
         if elapsed <= 0 or steps <= 0:
             return out
-        tokens_per_s = self._window_tokens * trainer.world_size / elapsed
+        tokens_per_s = self._window_tokens * data_parallel_size(trainer) / elapsed
         out["perf/step_time_s"] = elapsed / steps
         out["perf/tokens_per_s"] = tokens_per_s
         if self._device is not None and self._device.type == "cuda":
@@ -252,4 +325,5 @@ class ZeroMetrics(Callback):
 
 __all__ = [
     "ZeroMetrics", "PEAK_BF16_FLOPS", "peak_bf16_flops", "achieved_flops", "count_tokens", "peak_host_rss_bytes",
+    "data_parallel_size", "pipeline_metrics", "communication_metrics",
 ]

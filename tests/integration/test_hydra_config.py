@@ -1,5 +1,6 @@
 """Hydra configuration: every group option composes; bad choices and bad types fail with clear
-messages; strategy files agree with the registered presets; the CLI runs a 2-process job end to end."""
+messages; strategy files agree with the registered presets; the CLI runs 2-process jobs end to end
+(the default job's zero2, and the same GPTModule as 2 pipeline stages)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,20 @@ def test_cpu_devices_default() -> None:
     assert "cpu_devices" not in trainer_kwargs({**base, "accelerator": "gpu"})
 
 
+def _run_train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``examples/train.py`` as a user starts it, in a clean launcher environment: a Lightning run earlier
+    in this pytest process leaves LOCAL_RANK, WORLD_SIZE, MASTER_PORT... in os.environ, and with
+    LOCAL_RANK set Lightning would wait for a rank 1 that it believes someone else starts."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV and not k.startswith("PL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_cli_two_process_job(tmp_path: Path) -> None:
     """The real entry point: Lightning re-launches it for rank 1 with Hydra's run dir pinned."""
     strategy = "zero2"
@@ -161,18 +176,42 @@ def test_cli_two_process_job(tmp_path: Path) -> None:
         lightning_zero.ZeroStrategy  # noqa: B018
     except (ImportError, AttributeError):
         strategy = "ddp"
-    # A clean launcher environment: a Lightning run earlier in this pytest process leaves LOCAL_RANK,
-    # WORLD_SIZE, MASTER_PORT... in os.environ, and with LOCAL_RANK set Lightning would wait for a rank 1
-    # that it believes someone else starts.
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV and not k.startswith("PL_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train.py"), f"strategy={strategy}", "model=gpt_tiny",
-         "trainer=debug", f"hydra.run.dir={tmp_path}", "data.batch_size=4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_train(tmp_path, f"strategy={strategy}", "model=gpt_tiny", "trainer=debug", "data.batch_size=4")
     assert "Starting with 2 processes" in proc.stdout + proc.stderr
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
     assert (tmp_path / "train_ddp_process_1.log").exists()  # rank 1 ran in the same run dir
+
+
+def test_cli_pipeline_job(tmp_path: Path) -> None:
+    """The same GPTModule as 2 pipeline stages on 2 CPU processes (1F1B over 4 micro-batches of 1):
+    trains, logs the bubble next to its formula, and saves a checkpoint that loads, un-pipelined, into
+    either form of the model."""
+    import torch
+    from gpt import GPT, GPTModule
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lightning_zero.pipeline import PipelineModule
+
+    proc = _run_train(tmp_path, "strategy=pipeline", "model=gpt_tiny", "trainer=debug", "data.batch_size=4")
+    out = proc.stdout + proc.stderr
+    assert "Starting with 2 processes" in out and "fit finished" in out
+    assert (tmp_path / "train_ddp_process_1.log").exists()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "perf/tokens_per_s", "train/grad_norm"} <= scalars
+    assert {"pipeline/bubble_theoretical", "pipeline/bubble_measured"} <= scalars
+    theory = [e.value for e in events.Scalars("pipeline/bubble_theoretical")]
+    assert theory and all(abs(v - 1 / 5) < 1e-6 for v in theory)  # (P-1)/(M+P-1), P=2, M=4
+    assert all(0.0 <= e.value < 1.0 for e in events.Scalars("pipeline/bubble_measured"))
+    # Both stages' layers are in the checkpoint under their un-pipelined names.
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    idx = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for pipeline in (True, False):
+        module = GPTModule.load_from_checkpoint(ckpt, pipeline=pipeline).eval()
+        assert isinstance(module.model, PipelineModule if pipeline else GPT)
+        with torch.no_grad():
+            logits.append(module(idx))
+    torch.testing.assert_close(logits[0], logits[1])

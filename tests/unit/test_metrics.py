@@ -1,4 +1,5 @@
-"""ZeroMetrics: the expected keys reach the trainer's logger in a 1-process CPU run; FLOPs helpers."""
+"""ZeroMetrics: the expected keys reach the trainer's logger in a 1-process CPU run (1-bit communication
+statistics included); tokens/s over data-parallel replicas; pipeline bubble keys; FLOPs helpers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import lightning.pytorch as L
@@ -21,7 +23,9 @@ from data import WindowDataset  # noqa: E402
 from gpt import GPTConfig, GPTModule, flops_per_token  # noqa: E402
 
 from lightning_zero.logging import ZeroMetrics, peak_bf16_flops  # noqa: E402
-from lightning_zero.logging.metrics import achieved_flops, count_tokens  # noqa: E402
+from lightning_zero.logging.metrics import (  # noqa: E402
+    achieved_flops, communication_metrics, count_tokens, data_parallel_size, pipeline_metrics,
+)
 
 TINY = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, seq_len=16)
 
@@ -66,14 +70,17 @@ def _restore_environ() -> Iterator[None]:
     os.environ.update(saved)
 
 
-def _fit(strategy: Any, plugins: Optional[list[Any]] = None, steps: int = 4) -> tuple[MemoryLogger, ZeroMetrics]:
+def _fit(
+    strategy: Any, plugins: Optional[list[Any]] = None, steps: int = 4, module: Optional[GPTModule] = None
+) -> tuple[MemoryLogger, ZeroMetrics]:
     logger, metrics = MemoryLogger(), ZeroMetrics(log_every_n_steps=2)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, plugins=plugins, max_steps=steps,
         logger=logger, callbacks=[metrics], enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, log_every_n_steps=2, gradient_clip_val=1.0,
     )
-    trainer.fit(GPTModule(model=TINY, warmup_steps=1, max_steps=steps), train_dataloaders=_loader())
+    module = module or GPTModule(model=TINY, warmup_steps=1, max_steps=steps)
+    trainer.fit(module, train_dataloaders=_loader())
     return logger, metrics
 
 
@@ -100,6 +107,75 @@ def test_zero_strategy_metrics_come_from_the_strategy() -> None:
     step = max(s for s, m in logger.records if "perf/tokens_per_s" in m)
     keys = logger.keys_at(step)
     assert {"train/lr", "train/grad_norm", "train/loss_scale", "train/skipped_steps"} | PERF_KEYS <= keys
+    assert not any(k.startswith(("pipeline/", "onebit/", "comm/")) for k in keys)  # no pipeline, no 1-bit
+
+
+class OneBitGPT(GPTModule):
+    """The example GPT with 1-bit Adam (its warm-up phase lasts 2 steps)."""
+
+    def configure_optimizers(self) -> Any:
+        from lightning_zero.optim import OneBitAdam
+
+        return OneBitAdam(self.param_groups(), lr=self.optim.lr, freeze_step=2)
+
+
+def test_one_bit_communication_stats_are_logged() -> None:
+    lz = pytest.importorskip("lightning_zero")
+    module = OneBitGPT(model=TINY, max_steps=4)
+    logger, _ = _fit(lz.ZeroStrategy(stage=0), module=module)
+    opt = module.trainer.optimizers[0]
+    if not isinstance(getattr(opt, "comm_stats", None), dict):
+        pytest.skip("this 1-bit optimizer exposes no comm_stats")
+    expected = {k for k, v in opt.comm_stats.items() if isinstance(v, (int, float))}
+    steps = sorted(s for s, m in logger.records if "perf/tokens_per_s" in m)
+    for step in steps:
+        assert expected <= logger.keys_at(step)
+    phase = [m["onebit/phase"] for s, m in logger.records if "onebit/phase" in m]
+    if phase:  # warm-up (exact) for freeze_step=2 steps, compressed afterwards
+        assert phase[0] == 0.0 and phase[-1] == 1.0
+
+
+class FakeOptimizer:
+    def __init__(self, stats: Any) -> None:
+        self.comm_stats = stats
+
+
+def test_communication_metrics_keys() -> None:
+    stats = {"onebit/bytes_sent": 10, "onebit/bytes_16bit_allreduce": 160.0, "onebit/phase": 1.0,
+             "ratio": torch.tensor(16.0), "label": "compressed", "bad": float("inf")}
+    got = communication_metrics([FakeOptimizer(stats), torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0),
+                                 FakeOptimizer({"onebit/bytes_sent": 3})])
+    assert got == {"onebit/bytes_sent": 10.0, "onebit/bytes_16bit_allreduce": 160.0, "onebit/phase": 1.0,
+                   "comm/ratio": 16.0, "onebit/bytes_sent_opt2": 3.0}
+    assert communication_metrics([FakeOptimizer(None)]) == {}
+
+
+def test_pipeline_bubble_keys() -> None:
+    strategy = SimpleNamespace(pipeline_bubble={"theoretical": 0.2, "measured": 0.25, "measured_stage": None})
+    assert pipeline_metrics(strategy) == {"pipeline/bubble_theoretical": 0.2, "pipeline/bubble_measured": 0.25}
+    full = SimpleNamespace(pipeline_bubble={"theoretical": 0.2, "measured": 0.25, "measured_stage": 0.3})
+    assert set(pipeline_metrics(full)) == {
+        "pipeline/bubble_theoretical", "pipeline/bubble_measured", "pipeline/bubble_measured_stage"
+    }
+    assert pipeline_metrics(SimpleNamespace(pipeline_bubble=None)) == {}  # a ZeroStrategy without stages
+    assert pipeline_metrics(SimpleNamespace()) == {}  # ddp, fsdp, ...
+
+
+def test_tokens_per_s_count_data_parallel_replicas_once() -> None:
+    """Pipeline stages of one replica see the same batch: 2 stages x 1 replica is 1 batch per step."""
+    pipelined = SimpleNamespace(strategy=SimpleNamespace(dims=SimpleNamespace(dp=1)), world_size=2)
+    plain = SimpleNamespace(strategy=SimpleNamespace(), world_size=2)
+    unset = SimpleNamespace(strategy=SimpleNamespace(dims=None), world_size=4)  # before setup_environment
+    assert data_parallel_size(pipelined) == 1  # type: ignore[arg-type]
+    assert data_parallel_size(plain) == 2  # type: ignore[arg-type]
+    assert data_parallel_size(unset) == 4  # type: ignore[arg-type]
+    rates = {}
+    for name, trainer in (("pipelined", pipelined), ("plain", plain)):
+        metrics = ZeroMetrics()
+        metrics._now = lambda: 12.0  # type: ignore[method-assign]
+        metrics._window_start, metrics._window_step, metrics._window_tokens = 10.0, 0, 1000
+        rates[name] = metrics._performance_metrics(trainer, step=4)["perf/tokens_per_s"]  # type: ignore[arg-type]
+    assert rates == {"pipelined": 500.0, "plain": 1000.0}
 
 
 def test_validation_time_is_not_counted_as_step_time() -> None:
