@@ -8,15 +8,16 @@ Adam, when the CUDA op cannot be built; CPU tensors take torch's fused Adam.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_zero.ops.registry import get_op
-from lightning_zero.optim._buckets import Bucket, bucket_group, on_device
-from lightning_zero.optim._common import align, all_params, check_group
+from lightning_zero.optim._bucketed import BucketedOptimizer
+from lightning_zero.optim._buckets import Bucket
+from lightning_zero.optim._common import all_params
 from lightning_zero.optim.torch_adam import torch_adam_step
 from lightning_zero.optim.triton_adam import triton_adam_step, triton_available
 
@@ -31,7 +32,7 @@ def cuda_op_supports(bucket: Bucket) -> bool:
     return p in (torch.bfloat16, torch.float16) and g == p and not bucket.has_out
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(BucketedOptimizer):
     """Adam/AdamW over CUDA tensors in a few fused launches, as DeepSpeed's ``FusedAdam``.
 
     Args:
@@ -80,31 +81,7 @@ class FusedAdam(torch.optim.Optimizer):
             group.setdefault("maximize", False)
             group.setdefault("decoupled_weight_decay", self.defaults["decoupled_weight_decay"])
 
-    @torch.no_grad()
-    def step(  # type: ignore[override]
-        self,
-        closure: Callable[[], float] | None = None,
-        *,
-        grads: Sequence[Tensor | None] | None = None,
-        out16: Sequence[Tensor | None] | None = None,
-        grad_scale: Tensor | None = None,
-        found_inf: Tensor | None = None,
-    ) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = grad_scale if grad_scale is not None else getattr(self, "grad_scale", None)
-        found_inf = found_inf if found_inf is not None else getattr(self, "found_inf", None)
-        params = all_params(self.param_groups)
-        grads_in, outs = align(grads, params, "grads"), align(out16, params, "out16")
-        first = 0
-        for group in self.param_groups:
-            check_group(group, "FusedAdam")
-            for bucket in bucket_group(group, self.state, grads_in, outs, first):
-                self._step_bucket(bucket, group, on_device(grad_scale, bucket.device), on_device(found_inf, bucket.device))
-            first += len(group["params"])
-        return loss
+    _display_name: ClassVar[str] = "FusedAdam"
 
     def _step_bucket(self, b: Bucket, group: dict, grad_scale: Tensor | None, found_inf: Tensor | None) -> None:
         beta1, beta2 = group["betas"]
