@@ -339,7 +339,7 @@ class OptimConfig:
     """Optimizer and LR schedule of :class:`GPTModule`; ``conf/optimizer/*.yaml`` are presets of it."""
 
     name: str = "adamw"
-    """One of 'adamw', 'adam', 'sgd'."""
+    """One of 'adamw', 'adam', 'sgd', 'onebit_adam', 'onebit_lamb' (the 1-bit ones need strategy=zero0)."""
     lr: float = 1e-3
     """Peak learning rate, reached at the end of warm-up."""
     weight_decay: float = 0.1
@@ -356,9 +356,11 @@ class OptimConfig:
     """Linear warm-up from 0 to lr over this many optimizer steps."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio at max_steps."""
+    freeze_fraction: float = 0.15
+    """1-bit optimizers: the exact warm-up (variance still adapting) lasts this fraction of max_steps."""
 
 
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd", "onebit_adam", "onebit_lamb")
 
 
 def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -394,6 +396,7 @@ class GPTModule(L.LightningModule):
         fused: Optional[bool] = OptimConfig.fused,
         min_lr_ratio: float = OptimConfig.min_lr_ratio,
         pipeline: bool = True,
+        freeze_fraction: float = OptimConfig.freeze_fraction,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -402,6 +405,7 @@ class GPTModule(L.LightningModule):
         self.optim = OptimConfig(
             name=optimizer, lr=lr, weight_decay=weight_decay, betas=(float(betas[0]), float(betas[1])), eps=eps,
             momentum=momentum, fused=fused, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+            freeze_fraction=freeze_fraction,
         )
         self.max_steps = max_steps
         self.use_pipeline = bool(pipeline)
@@ -508,15 +512,21 @@ class GPTModule(L.LightningModule):
         o = self.optim
         groups = self.param_groups()
         optimizer: torch.optim.Optimizer
-        if o.name == "adamw":
+        max_steps = self.max_steps if self.max_steps is not None and self.max_steps > 0 else None
+        if max_steps is None:
+            max_steps = int(self.trainer.estimated_stepping_batches)
+        if o.name in ("onebit_adam", "onebit_lamb"):
+            from lightning_zero.optim import OneBitAdam, OneBitLamb
+
+            freeze = max(1, int(o.freeze_fraction * max_steps))
+            cls = OneBitAdam if o.name == "onebit_adam" else OneBitLamb
+            optimizer = cls(groups, lr=o.lr, freeze_step=freeze, betas=o.betas, eps=o.eps)
+        elif o.name == "adamw":
             optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused)
         elif o.name == "adam":
             optimizer = torch.optim.Adam(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=o.fused)
         else:
             optimizer = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum)
-        max_steps = self.max_steps if self.max_steps is not None and self.max_steps > 0 else None
-        if max_steps is None:
-            max_steps = int(self.trainer.estimated_stepping_batches)
         horizon, warmup, floor = max_steps, o.warmup_steps, o.min_lr_ratio
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_lambda(step, warmup, horizon, floor)

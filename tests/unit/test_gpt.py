@@ -333,3 +333,26 @@ def test_deferred_construction_under_zero3(pipeline: bool) -> None:
     assert len(losses) == 1 and math.isfinite(losses[0])
     with trainer.strategy.gathered_params():
         _check_gpt2_init(module.model, INIT_CFG.n_layer)
+
+
+def test_onebit_presets_train_under_zero0_and_are_refused_elsewhere() -> None:
+    """conf/optimizer/onebit_*.yaml select OneBitAdam/OneBitLamb; a stage they cannot combine with fails early."""
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.optim import OneBitAdam
+
+    rows = [(r[:-1], r[1:]) for r in torch.randint(0, 256, (16, 17))]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    cfg = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, seq_len=16)
+
+    def trainer(stage: int) -> pl.Trainer:
+        return pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), max_steps=4, logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+
+    module = GPTModule(model=cfg, optimizer="onebit_adam", max_steps=4)
+    t = trainer(0)
+    t.fit(module, loader)
+    assert isinstance(t.optimizers[0], OneBitAdam) and t.optimizers[0].freeze_step == 1  # 15% of 4 steps, at least 1
+    with pytest.raises(ValueError, match="zero0"):
+        trainer(2).fit(GPTModule(model=cfg, optimizer="onebit_lamb", max_steps=4), loader)
