@@ -146,10 +146,19 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         if not cuda:
             return {"status": "skipped", "reason": "DeepSpeed offload needs CUDA"}
         try:
-            import deepspeed  # noqa: F401
+            import deepspeed  # noqa: F401  (importable, or a row with the reason)
         except Exception as err:  # not installed or not importable: a row with the reason
             return {"status": "skipped", "reason": f"deepspeed not importable: {type(err).__name__}: {err}"[:200]}
-        strategy = "deepspeed_stage_3_offload"
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        # DeepSpeed refuses a client torch optimizer under offload; give it its own CPU Adam (its best case).
+        ds_config = {
+            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "offload_param": {"device": "cpu", "pin_memory": True}},
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+            "bf16": {"enabled": True},
+        }
+        strategy = DeepSpeedStrategy(config=ds_config)
     else:
         raise SystemExit(f"unknown config {args.config}")
 
