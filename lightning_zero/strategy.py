@@ -444,11 +444,7 @@ class ZeroStrategy(ParallelStrategy):
         masters: dict[int, Tensor] = {}
         for engine in self._engines.values():
             masters.update(zsd.full_master_params(engine))
-        by_id = {id(v): k for k, v in module.state_dict(keep_vars=True).items()}
-        keyed = {}
-        for k, v in module.state_dict(keep_vars=True).items():
-            if id(v) in masters:
-                keyed[k] = masters[id(v)]
+        keyed = {k: masters[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in masters}
         out = {}
         for k, v in state.items():
             value = keyed.get(k, v)
@@ -456,7 +452,6 @@ class ZeroStrategy(ParallelStrategy):
             if torch.is_tensor(value) and want is not None and value.dtype != want:
                 value = value.to(want)
             out[k] = value.detach().cpu() if torch.is_tensor(value) else value
-        del by_id
         return self._pipeline.merge_state_dict(out) if self._pipeline is not None else out
 
     @override

@@ -22,7 +22,37 @@ BufferFactory = Callable[[int, torch.dtype], Tensor]
 """Allocates a zeroed 1-D buffer of ``numel`` elements (offload passes pinned host memory)."""
 
 
-class FlatParamGroup:
+class ShardViews:
+    """Views shared by every param-group storage (stages 0-2 here, stage 3 in sharded_group.py).
+
+    Needs ``layout``, ``params``, ``master``, ``device`` and ``grad_shard`` attributes.
+    """
+
+    layout: FlatLayout
+    params: list[Parameter]
+    master: Tensor
+    device: torch.device
+    grad_shard: Optional[Tensor]
+
+    def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
+        """Parameter ``slot_index``'s piece of a flat buffer that starts at flat offset ``base``."""
+        slot = self.layout.slots[slot_index]
+        p = self.params[slot.index]
+        return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
+
+    def master_chunk(self, bucket_index: int) -> Tensor:
+        """This rank's piece of bucket ``bucket_index`` in the master shard (with one shard, the
+        chunk is the whole bucket and ``shard_offset`` its start)."""
+        b = self.layout.buckets[bucket_index]
+        return self.master[b.shard_offset : b.shard_offset + b.chunk]
+
+    def ensure_grad_shard(self) -> Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
+        return self.grad_shard
+
+
+class FlatParamGroup(ShardViews):
     """Flat storage of one param group on one rank."""
 
     def __init__(
@@ -64,21 +94,9 @@ class FlatParamGroup:
         """fp32 reduced gradients of this rank's shard (stages 1 and 2), accumulated over micro-batches."""
 
     # --- views --------------------------------------------------------------------------------
-    def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
-        slot = self.layout.slots[slot_index]
-        p = self.params[slot.index]
-        return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
-
     def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:
         b = self.layout.buckets[bucket_index]
         return buffer[b.start : b.end]
-
-    def master_chunk(self, bucket_index: int) -> Tensor:
-        """This rank's piece of bucket ``bucket_index`` in the master shard."""
-        b = self.layout.buckets[bucket_index]
-        if self.layout.num_shards == 1:
-            return self.master[b.start : b.end]
-        return self.master[b.shard_offset : b.shard_offset + b.chunk]
 
     # --- gradient storage -----------------------------------------------------------------------
     def attach_full_grad(self, dtype: torch.dtype) -> None:
@@ -87,10 +105,3 @@ class FlatParamGroup:
         for i in range(len(self.layout.slots)):
             self.params[self.layout.slots[i].index].grad = self.param_view(i, self.flat_grad)
 
-    def ensure_grad_shard(self) -> Tensor:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
-        return self.grad_shard
-
-    def num_trainable(self) -> int:
-        return sum(s.numel for s in self.layout.slots)

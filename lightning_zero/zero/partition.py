@@ -71,12 +71,6 @@ class FlatLayout:
     def shard_numel(self) -> int:
         return self.total // self.num_shards
 
-    def slot_of(self, param_index: int) -> Slot:
-        for s in self.slots:
-            if s.index == param_index:
-                return s
-        raise KeyError(param_index)
-
     def shard_ranges(self, shard: int) -> list[tuple[int, int, int]]:
         """(flat_start, flat_end, shard_offset) of every chunk that ``shard`` owns."""
         out = []

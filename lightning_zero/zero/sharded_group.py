@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_zero.zero.flat_group import BufferFactory
+from lightning_zero.zero.flat_group import BufferFactory, ShardViews
 from lightning_zero.zero.partition import FlatLayout
 
 
-class ShardedParamGroup:
+class ShardedParamGroup(ShardViews):
     """Shards (fp32 master, 16-bit gather source) and releasable full buffers of one param group."""
 
     shares_master = False
@@ -89,9 +89,6 @@ class ShardedParamGroup:
         src = self.shard16 if self.shard16 is not None else self.master
         return src[b.shard_offset : b.shard_offset + b.chunk]
 
-    def is_gathered(self, bucket_index: int) -> bool:
-        return self.full[bucket_index].untyped_storage().nbytes() > 0
-
     def allocate(self, bucket_index: int) -> Tensor:
         buf = self.full[bucket_index]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
@@ -104,19 +101,3 @@ class ShardedParamGroup:
         if self.shard16 is not None:
             self.shard16.copy_(self.master)
 
-    def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
-        slot = self.layout.slots[slot_index]
-        p = self.params[slot.index]
-        return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
-
-    def master_chunk(self, bucket_index: int) -> Tensor:
-        b = self.layout.buckets[bucket_index]
-        return self.master[b.shard_offset : b.shard_offset + b.chunk]
-
-    def ensure_grad_shard(self) -> Tensor:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
-        return self.grad_shard
-
-    def num_trainable(self) -> int:
-        return sum(s.numel for s in self.layout.slots)

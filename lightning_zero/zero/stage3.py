@@ -93,6 +93,7 @@ class Stage3Engine(Stage2Engine):
         self._grads_left: dict[int, int] = {}
         self.order: list[int] = []
         self._order_frozen = False
+        self._last_pos: dict[int, int] = {}
         self._cursor = 0
         self.live_numel = 0
         self.max_live_units_seen = 0
@@ -205,9 +206,8 @@ class Stage3Engine(Stage2Engine):
     def _pre_backward(self, unit: Unit) -> None:
         self.gather(unit)
         if self._order_frozen and self.prefetch_units > 0:
-            positions = [i for i, u in enumerate(self.order) if u == unit.index]
-            if positions:
-                pos = positions[-1]
+            pos = self._last_pos.get(unit.index)
+            if pos is not None:
                 self._prefetch(reversed(self.order[max(0, pos - self.prefetch_units) : pos]))
 
     def _on_grad_ready(self, gi: int, si: int, param: Tensor) -> None:
@@ -236,8 +236,9 @@ class Stage3Engine(Stage2Engine):
     def post_backward(self) -> None:
         super().post_backward()
         self._grads_left = {}
-        if self.order:
+        if self.order and not self._order_frozen:
             self._order_frozen = True
+            self._last_pos = {u: i for i, u in enumerate(self.order)}  # backward reaches a unit's last use first
         for idx in list(self._gathered):
             if idx != ROOT:
                 self.release(self.units[idx])
