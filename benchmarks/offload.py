@@ -27,6 +27,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -50,6 +51,8 @@ ZERO = {
     "zero3": dict(stage=3),
     "zero1_offload": dict(stage=1, offload_optimizer="cpu"),
     "zero2_offload": dict(stage=2, offload_optimizer="cpu"),
+    "zero2_offload_dpu": dict(stage=2, offload_optimizer="cpu", delayed_param_update=True,
+                              delayed_param_update_warmup=2),
     "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
     "zero3_offload_dpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_param_update=True,
                               delayed_param_update_warmup=2),
@@ -193,18 +196,53 @@ def run_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
                "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--device", args.device, "--nvme-path", args.nvme_path, "--nvme-fraction", str(args.nvme_fraction)]
         t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
-                                  env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
-        except subprocess.TimeoutExpired:
-            return {"config": config, "status": "failed", "reason": f"timeout after {args.config_timeout_s:.0f}s"}
+        with HostMemoryWatch() as watch:
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
+                                      env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+            except subprocess.TimeoutExpired:
+                return {"config": config, "status": "failed", "reason": f"timeout after {args.config_timeout_s:.0f}s",
+                        "host_min_free_gib": watch.min_free_gib}
         text = Path(out.name).read_text()
     if proc.returncode != 0 or not text:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"config": config, "status": "failed", "reason": " / ".join(tail)[:300]}
+        return {"config": config, "status": "failed", "host_min_free_gib": watch.min_free_gib,
+                "reason": f"exit code {proc.returncode}; least host memory available during the run "
+                          f"{watch.min_free_gib:.1f} GiB; " + " / ".join(tail)[:300]}
     rec = json.loads(text)
-    rec.update(config=config, wall_s=time.time() - t0)
+    rec.update(config=config, wall_s=time.time() - t0, host_min_free_gib=watch.min_free_gib)
     return rec
+
+
+class HostMemoryWatch:
+    """Samples the host's MemAvailable while a worker runs: the least seen says how close a run came to the
+    out-of-memory killer (which ends a worker with exit code -9 and no traceback)."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self.period_s = period_s
+        self.min_free_gib = float("inf")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                self.min_free_gib = min(self.min_free_gib, int(line.split()[1]) / 2**20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._sample()
+
+    def __enter__(self) -> "HostMemoryWatch":
+        if Path("/proc/meminfo").exists():
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
@@ -218,17 +256,19 @@ def table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
         f"micro-batch {args.micro_batch}, bf16-mixed, 1 {args.device.upper()}, {args.steps} timed steps after "
         f"{args.warmup} warm-up.",
         "",
-        "| config | tokens/s | s/step | GPU peak (GiB) | host peak RSS (GiB) | status |",
-        "|---|---:|---:|---:|---:|---|",
+        "| config | tokens/s | s/step | GPU peak (GiB) | host peak RSS (GiB) | host free, least (GiB) | status |",
+        "|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in records:
         if r.get("status") == "ok":
             lines.append(f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {f(r['gpu_peak_gib'], '.1f')} | "
-                         f"{r['host_peak_gib']:.1f} | ok |")
+                         f"{r['host_peak_gib']:.1f} | {f(r.get('host_min_free_gib'), '.1f')} | ok |")
         else:
-            lines.append(f"| {r['config']} | - | - | - | - | {r['status']}: {r.get('reason', '')} |")
+            lines.append(f"| {r['config']} | - | - | - | - | {f(r.get('host_min_free_gib'), '.1f')} | "
+                         f"{r['status']}: {r.get('reason', '')} |")
     targets = [("zero3_offload", "fsdp_cpu_offload", 2.0), ("zero3_offload", "deepspeed_stage_3_offload", 5.0),
-               ("zero3_offload_dpu", "fsdp_cpu_offload", 2.0), ("zero2_offload", "zero2", 0.75)]
+               ("zero3_offload_dpu", "fsdp_cpu_offload", 2.0), ("zero2_offload", "zero2", 0.75),
+               ("zero2_offload_dpu", "zero2", 0.75)]
     checks = []
     for a, b, want in targets:
         if a in ok and b in ok:

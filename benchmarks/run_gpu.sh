@@ -12,6 +12,9 @@
 #             then 3 profiled ones): adds the exposed / total communication column; needs 2 GPUs, ~3 min
 #   onebit    torchrun 2 procs benchmarks/onebit.py   (skipped while that file does not exist)
 #   pipeline  torchrun 2 procs benchmarks/pipeline.py (skipped while that file does not exist)
+#   offload   benchmarks/offload.py once per '|'-separated argument list in OFFLOAD_RUNS (default: the
+#             zero2_offload workload, GPT-1.3B micro-batch 16), with the host's memory, disk and locked-
+#             memory limits before and the kernel's out-of-memory reports after (the largest-model runs)
 # Without sections: "ops gputests peers1" on a 1-GPU machine, "peers2 onebit pipeline" on 2+ GPUs.
 #
 # Run from the repository root with the wheels of ../shared/tools/device_wheels.sh --peers carried
@@ -99,17 +102,31 @@ _torchrun2() {  # $1 = script, rest = its arguments
   if [[ ! -f $script ]]; then echo "$script missing: skipped"; return 0; fi
   python3 -m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2 "$script" "$@"
 }
+section_offload() {
+  python3 -m lightning_zero.ops build --ops cpu_adam || return 1
+  free -g; df -h /tmp "${LZ_NVME_PATH:-/tmp}"; echo "ulimit -l: $(ulimit -l)"; nproc
+  local runs=${OFFLOAD_RUNS:---model gpt_1b --micro-batch 16 --configs zero2,zero2_offload,zero2_offload_dpu --steps 5 --warmup 3}
+  local i=0 run
+  IFS='|' read -ra all <<< "$runs"
+  for run in "${all[@]}"; do
+    i=$(( i + 1 ))
+    echo "--- offload run $i: $run"
+    # shellcheck disable=SC2086
+    python3 benchmarks/offload.py $run --out "$WORK/offload$i"
+    dmesg 2>/dev/null | grep -i -E "out of memory|oom-kill|killed process" | tail -n 5
+  done
+}
 section_onebit() { _torchrun2 benchmarks/onebit.py ${ONEBIT_ARGS:-}; }
 section_pipeline() { _torchrun2 benchmarks/pipeline.py ${PIPELINE_ARGS:-}; }
 
-export -f section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof _torchrun2 section_onebit section_pipeline
+export -f section_offload section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof _torchrun2 section_onebit section_pipeline
 
 STATUS=()
 run_section() {
   local name=$1 limit
   limit=$(( $(left) - 10 ))
   if ! declare -F "section_$name" > /dev/null; then
-    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof onebit pipeline)"); return
+    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof onebit pipeline offload)"); return
   fi
   if (( limit < 30 )); then
     echo "=== $name: skipped, $(left) s of the ${BUDGET} s budget left" | tee "$OUT/$name.log"
