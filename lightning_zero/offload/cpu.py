@@ -129,7 +129,7 @@ class HostGradShard:
         if not self.fresh:
             return
         if self.acc is None:
-            self.acc = torch.empty(self.numel, dtype=torch.float32)
+            self.acc = self._alloc(self.numel, torch.float32)
         if self.acc_valid:
             self.acc.add_(self.landing)
         else:

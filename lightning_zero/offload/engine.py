@@ -169,8 +169,10 @@ class OffloadMixin:
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
-        pinned = self.offload.optimizer == "cpu" and self.compute_dtype == torch.float32 and not self.offload.delayed_update
-        return self.host.zeros(numel, dtype) if pinned else torch.zeros(numel, dtype=dtype)
+        if self.offload.optimizer == "nvme":  # swapped out once built: resizable storage (swap_state.make_placeholder)
+            return torch.zeros(numel, dtype=dtype)
+        pinned = self.compute_dtype == torch.float32 and not self.offload.delayed_update
+        return self.host.zeros(numel, dtype, pin=pinned and self._pin)
 
     def _group_kwargs(self) -> dict[str, object]:
         return {"master_factory": self._host_master}
@@ -328,7 +330,7 @@ class OffloadMixin:
 
                 store.adam_step(gi, grad, out, update)
                 continue
-            st = host_adam_state(opt, fg.master)
+            st = self._host_adam_state(fg.master)
             st["step"] += 1
             step = int(st["step"].item())
             out16 = out if out is not None and out.dtype != torch.float32 else None
@@ -339,6 +341,15 @@ class OffloadMixin:
             if out is not None and out16 is None:
                 out.copy_(fg.master)
         self._out_valid = True
+
+    def _host_adam_state(self, master: Tensor) -> dict:
+        """The master's Adam moments, created in the host pool (see pinned.py [Note: forked workers])."""
+        st = self.optimizer.state[master]
+        if not st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+            st["exp_avg"] = self.host.zeros(master.numel(), torch.float32, pin=False)
+            st["exp_avg_sq"] = self.host.zeros(master.numel(), torch.float32, pin=False)
+        return host_adam_state(self.optimizer, master)  # moves a loaded "step" to the host
 
     def _upload_buffer(self, gi: int, up: int) -> Optional[Tensor]:
         """Where the step writes group ``gi``'s 16-bit result (None: upload straight from the master)."""
@@ -456,8 +467,7 @@ class ParamOffloadMixin(OffloadMixin):
         return kwargs
 
     def _upload_is_shard16(self, fg: Any) -> bool:
-        return (self.offload.params == "cpu" and self.compute_dtype != torch.float32
-                and not self.offload.delayed_update and self.offload.optimizer == "cpu")
+        return self.offload.params == "cpu" and self.compute_dtype != torch.float32 and not self.offload.delayed_update
 
     def _setup_offload(self) -> None:
         self._param_store: Optional[NvmeParamStore] = None

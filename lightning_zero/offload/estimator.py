@@ -20,7 +20,7 @@ optimizer cpu, stage 1      2cP                                 12S + 2cS (maste
 optimizer cpu, stage 2      cP + bucket                         same
 optimizer cpu, stage 3      cS + (prefetch + 3) cU              same
 + params cpu                (prefetch + 3) cU                   same (the step writes the partitions in place)
-optimizer nvme              as cpu                              2cS + ring; NVMe 12S
+optimizer nvme              as cpu                              2cS + ring (+ cS upload unless params cpu); NVMe 12S
 params nvme                 (prefetch + 3) cU                   staging; NVMe cS
 ==========================  ==================================  ======================================
 
@@ -138,13 +138,15 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
     grads = c * S * (2 if w.delayed_update else 1) + (4 * S * (2 if w.delayed_update else 1) if w.accumulate else 0)
     uploads = 2 if w.delayed_update else 1
     total = grads
+    in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
     if s.offload_optimizer == "cpu":
         total += 12 * S
-        in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
         if (c != 4 or w.delayed_update) and not in_place:
             total += uploads * c * S
-    else:  # nvme: ring of three chunk sets (master + 2 moments), a full upload buffer, chunks kept in memory
-        total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + uploads * c * S + 12 * S * (1.0 - w.nvme_fraction)
+    else:  # nvme: ring of three chunk sets (master + 2 moments), an upload buffer, chunks kept in memory
+        total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + 12 * S * (1.0 - w.nvme_fraction)
+        if not in_place:
+            total += uploads * c * S
     if s.offload_params == "cpu":
         total += c * S
     elif s.offload_params == "nvme":

@@ -93,7 +93,7 @@ class NvmeOptimizerStore:
         k = (gi, ci, key)
         if k not in self._mem:
             lo, hi = self.chunks[gi][ci]
-            self._mem[k] = torch.zeros(hi - lo, dtype=dtype)
+            self._mem[k] = aligned_empty(hi - lo, dtype)  # zeroed pages, kept from forked workers
         return self._mem[k]
 
     # ---------------------------------------------------------------- buffers and names
