@@ -128,6 +128,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             if cuda:
                 torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
+            print(f"step {len(self.times)}: {self.times[-1]:.3f} s", file=sys.stderr, flush=True)  # progress
 
     strategy: Any
     if args.config in ZERO:
@@ -200,9 +201,12 @@ def run_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
             try:
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
                                       env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
-            except subprocess.TimeoutExpired:
-                return {"config": config, "status": "failed", "reason": f"timeout after {args.config_timeout_s:.0f}s",
-                        "host_min_free_gib": watch.min_free_gib}
+            except subprocess.TimeoutExpired as err:
+                partial = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+                steps = [line for line in partial.splitlines() if line.startswith("step ")]
+                return {"config": config, "status": "failed", "host_min_free_gib": watch.min_free_gib,
+                        "reason": f"timeout after {args.config_timeout_s:.0f}s; {len(steps)} steps done ("
+                                  + ", ".join(x.split(': ')[1] for x in steps) + ")"}
         text = Path(out.name).read_text()
     if proc.returncode != 0 or not text:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
