@@ -51,9 +51,11 @@ ZERO = {
     "zero3": dict(stage=3),
     "zero1_offload": dict(stage=1, offload_optimizer="cpu"),
     "zero2_offload": dict(stage=2, offload_optimizer="cpu"),
+    "zero2_offload_after": dict(stage=2, offload_optimizer="cpu", offload_step_in_backward=False),
     "zero2_offload_dpu": dict(stage=2, offload_optimizer="cpu", delayed_param_update=True,
                               delayed_param_update_warmup=2),
     "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "zero3_offload_after": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", offload_step_in_backward=False),
     "zero3_offload_dpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_param_update=True,
                               delayed_param_update_warmup=2),
     "zero3_offload_opt": dict(stage=3, offload_optimizer="cpu"),
@@ -61,7 +63,9 @@ ZERO = {
     "zero3_offload_nvme_opt": dict(stage=3, offload_optimizer="nvme", offload_params="cpu"),
 }
 PEERS = ("fsdp_cpu_offload", "deepspeed_stage_3_offload")
-DEFAULT = ("zero3_offload", "zero3_offload_dpu", "fsdp_cpu_offload", "deepspeed_stage_3_offload")
+DEFAULT = ("zero3_offload", "zero3_offload_after", "zero3_offload_dpu", "fsdp_cpu_offload", "deepspeed_stage_3_offload")
+"""``*_after``: the CPU step after backward instead of during it (offload_step_in_backward=False, as with
+clipping or accumulation); ``*_dpu``: the delayed parameter update."""
 
 
 # ---------------------------------------------------------------------------------------------------- model
@@ -187,6 +191,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "host_peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "loss": float(trainer.callback_metrics.get("train/loss", float("nan"))),
+        "steps_in_backward": sum(getattr(e, "eager_steps", 0) for e in getattr(trainer.strategy, "engines", [])),
     }
 
 
@@ -266,13 +271,15 @@ def table(records: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for r in records:
         if r.get("status") == "ok":
             lines.append(f"| {r['config']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} | {f(r['gpu_peak_gib'], '.1f')} | "
-                         f"{r['host_peak_gib']:.1f} | {f(r.get('host_min_free_gib'), '.1f')} | ok |")
+                         f"{r['host_peak_gib']:.1f} | {f(r.get('host_min_free_gib'), '.1f')} | ok"
+                         + (f" ({r['steps_in_backward']} steps in backward)" if r.get("steps_in_backward") else "") + " |")
         else:
             lines.append(f"| {r['config']} | - | - | - | - | {f(r.get('host_min_free_gib'), '.1f')} | "
                          f"{r['status']}: {r.get('reason', '')} |")
     targets = [("zero3_offload", "fsdp_cpu_offload", 2.0), ("zero3_offload", "deepspeed_stage_3_offload", 5.0),
                ("zero3_offload_dpu", "fsdp_cpu_offload", 2.0), ("zero2_offload", "zero2", 0.75),
-               ("zero2_offload_dpu", "zero2", 0.75)]
+               ("zero2_offload_dpu", "zero2", 0.75), ("zero2_offload_after", "zero2", 0.75),
+               ("zero3_offload_after", "fsdp_cpu_offload", 2.0), ("zero3_offload_after", "deepspeed_stage_3_offload", 5.0)]
     checks = []
     for a, b, want in targets:
         if a in ok and b in ok:

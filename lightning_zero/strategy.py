@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -351,6 +352,8 @@ class ZeroStrategy(ParallelStrategy):
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
         engine.reduce_gradients = compressed_comm.gradient_allreduce_needed(engine.optimizer)
+        if hasattr(engine, "step_in_backward"):
+            engine.step_in_backward = self._step_can_run_in_backward(model)
         result = closure()
         precision = self.precision_plugin
         precision._after_closure(model, optimizer)
@@ -364,6 +367,19 @@ class ZeroStrategy(ParallelStrategy):
                 f"fp16 gradient overflow: step skipped on every rank, loss scale now {precision.loss_scale:g}"
             )
         return result
+
+    def _step_can_run_in_backward(self, model: "pl.LightningModule") -> bool:
+        """Whether this step's coefficient is 1 before backward starts (offload/eager.py says why it matters)."""
+        trainer = model.trainer
+        return bool(
+            self.config.offload_step_in_backward
+            and self.precision_plugin.scaler is None
+            and not trainer.gradient_clip_val
+            and trainer.accumulate_grad_batches == 1
+            and model.automatic_optimization
+            and not is_overridden("configure_gradient_clipping", model, pl.LightningModule)
+            and not is_overridden("optimizer_step", model, pl.LightningModule)
+        )
 
     @property
     def grad_norm(self) -> Optional[float]:

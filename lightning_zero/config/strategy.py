@@ -89,6 +89,13 @@ class ZeroConfig:
     """With ``delayed_param_update``: synchronous steps before the delay starts (early training moves
     fastest, where staleness hurts most)."""
 
+    offload_step_in_backward: bool = True
+    """'cpu' optimizer offload: run the CPU Adam step range by range while backward still runs, as each
+    bucket's reduced gradient lands in host memory. Same results as stepping after backward; used only
+    for steps that need no global view of the gradients first (no clipping, no fp16 loss scaling, no
+    gradient accumulation, Adam/AdamW; see lightning_zero/offload/eager.py), otherwise the step runs
+    after backward as usual. False: always after backward."""
+
     pipeline_stages: int = 1
     """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
 

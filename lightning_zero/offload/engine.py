@@ -13,7 +13,8 @@ override only the engine's marked steps, in the order a step runs them:
    from the host gradients (accumulated);
 4. ``_step_masters``: the CPU step (cpu.py; NVMe: swap_state.py's chunk pipeline), writing the
    16-bit result into the pinned upload buffer; with the delayed update it runs in a background
-   thread and the upload of the *previous* step's result happens instead;
+   thread and the upload of the *previous* step's result happens instead; when the strategy sets
+   ``step_in_backward`` it already ran range by range during step 2 (eager.py) and is only awaited;
 5. ``_write_back`` (stages 1-2) / ``_refresh_shards`` (stage 3): host-to-device upload, then the
    stage's own all-gather (1-2) or nothing more (3: the next forward gathers unit by unit, copying
    each unit's chunk to the device first through ``_gather_source``).
@@ -53,6 +54,7 @@ from lightning_zero.offload import estimator as est
 from lightning_zero.offload.cpu import (
     AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
 )
+from lightning_zero.offload.eager import EagerStep, uncovered
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
 from lightning_zero.offload.params import NvmeParamStore, stage_to_device
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
@@ -79,6 +81,7 @@ class OffloadSettings:
     delayed_update: bool = False
     delayed_update_warmup: int = 10
     nvme_fraction: float = 1.0
+    step_in_backward: bool = True
     ranks_per_node: int = 1
     global_rank: int = 0
 
@@ -87,7 +90,8 @@ class OffloadSettings:
         return cls(
             config.offload_optimizer, config.offload_params, config.nvme_path, config.pin_memory,
             config.nvme_chunk_mb, config.nvme_io_threads, config.delayed_param_update,
-            config.delayed_param_update_warmup, config.nvme_fraction, ranks_per_node, global_rank,
+            config.delayed_param_update_warmup, config.nvme_fraction, config.offload_step_in_backward,
+            ranks_per_node, global_rank,
         )
 
     @property
@@ -213,6 +217,13 @@ class OffloadMixin:
         self._dpu_pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "lz-dpu") if dpu else None
         self._dpu_future: Optional[Future] = None
         self._dpu_up = 0
+        self.step_in_backward = False
+        """Set by the strategy before each step: run this step's CPU update during backward (eager.py)."""
+        self._eager_possible = o.step_in_backward and o.optimizer == "cpu" and not dpu and self._hypers_ok
+        self._eager: Optional[EagerStep] = None
+        self._eager_pool: Optional[ThreadPoolExecutor] = None
+        self.eager_steps = 0
+        """Steps that ran during backward (tests and benchmarks read it)."""
 
     def _upload_is_shard16(self, fg: Any) -> bool:
         """Stage 3 with parameters in host memory: the CPU step writes the partitions in place."""
@@ -224,12 +235,14 @@ class OffloadMixin:
             self._sync_d2h()
             for hg in self._grads:
                 hg.fold()
+        eager = self._eager_for_this_backward()
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
+        lo, hi = b.shard_offset, b.shard_offset + b.chunk
         bucket.div_(self.dp_size)
         out = bucket.new_empty(b.chunk)
         work = C.reduce_scatter(out, bucket, self.dp_group, async_op=True)
-        dst = self._grads[gi].landing[b.shard_offset : b.shard_offset + b.chunk]
+        dst = self._grads[gi].landing[lo:hi]
         if self._d2h is not None:  # the side stream waits for the collective, then copies; backward goes on
             main = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._d2h):
@@ -237,16 +250,76 @@ class OffloadMixin:
                 work.wait()
                 dst.copy_(out, non_blocking=True)
             out.record_stream(self._d2h)
+            if eager is not None:  # step this range on the host as soon as the copy is done
+                landed = torch.cuda.Event()
+                landed.record(self._d2h)
+                eager.submit(gi, lo, hi, landed)
 
         def finalize() -> None:
             if self._d2h is None:
                 dst.copy_(out)  # the device-to-host copy (a separate host buffer on CPU too)
+                if eager is not None:
+                    eager.submit(gi, lo, hi)
             sq = out.float().pow(2).sum()
             self._dev_sq = sq if self._dev_sq is None else self._dev_sq + sq
             if after is not None:
                 after()
 
         return _Pending(work, finalize)
+
+    def _eager_for_this_backward(self) -> Optional[EagerStep]:
+        """This backward's step-during-backward, started at its first bucket (None: step after backward)."""
+        if self._eager is not None:
+            if self._backwards > 0:
+                raise RuntimeError(
+                    "step_in_backward: a second backward before the optimizer step; the update ran during the "
+                    "first one. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
+                )
+            return self._eager
+        if not (self.step_in_backward and self._eager_possible and self._backwards == 0):
+            return None
+        self._wait_h2d(self._up)  # the upload buffer about to be written: its last upload must be done
+        opt = self.optimizer
+        hypers = [adam_hyper(opt, pg) for pg in opt.param_groups]  # this step's learning rate
+        states, steps, outs = [], [], []
+        for gi, fg in enumerate(self.groups):
+            st = self._host_adam_state(fg.master)
+            st["step"] += 1
+            states.append(st)
+            steps.append(int(st["step"].item()))
+            out = self._upload_buffer(gi, self._up)
+            assert out is None or out.dtype != torch.float32, "fp32 upload buffers are filled after the step"
+            outs.append(out)
+        grads = [hg.landing for hg in self._grads]
+        threads = max(1, torch.get_num_threads() - 1)  # one core stays with the thread driving backward
+
+        def update(gi: int, lo: int, hi: int) -> None:
+            st, out, hyper = states[gi], outs[gi], hypers[gi]
+            assert hyper is not None
+            adam_update(self._op, self.groups[gi].master[lo:hi], grads[gi][lo:hi], st["exp_avg"][lo:hi],
+                        st["exp_avg_sq"][lo:hi], None if out is None else out[lo:hi], steps[gi], hyper, 1.0, threads)
+
+        if self._eager_pool is None:
+            self._eager_pool = ThreadPoolExecutor(1, "lz-step-in-backward")
+        self._eager = EagerStep(self._eager_pool, update)
+        return self._eager
+
+    def _finish_eager(self, coef: float) -> None:
+        """The step that ran during backward: wait for it, step any range it missed, mark the upload."""
+        eager, self._eager = self._eager, None
+        assert eager is not None
+        eager.finish()
+        if coef != 1.0:
+            raise RuntimeError(
+                f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
+                "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
+            )
+        for gi, lo, hi in uncovered([fg.master.numel() for fg in self.groups], eager.covered):
+            eager.run_now(gi, lo, hi)
+        self._steps += 1
+        self._upload_from, self._upload_pending = self._up, True
+        self._out_valid = True
+        self.eager_steps += 1
 
     def _sync_d2h(self) -> None:
         if self._d2h is not None:
@@ -280,6 +353,9 @@ class OffloadMixin:
 
     # ---------------------------------------------------------------- the CPU step
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
+        if self._eager is not None:
+            self._finish_eager(coef)
+            return
         self._steps += 1
         if self._dpu_pool is None or self._steps <= self.offload.delayed_update_warmup:
             self._wait_h2d(self._up)
@@ -389,6 +465,10 @@ class OffloadMixin:
     def teardown(self) -> None:
         """End of fit/validate/test: finish the background step; bring swapped state back into host
         memory when it fits there and remove the swap files (else they stay until the engine goes)."""
+        if self._eager is not None:  # backward ran, the step never came (an exception): let the thread finish
+            eager, self._eager = self._eager, None
+            eager.finish()
+            self._upload_from, self._upload_pending = self._up, True
         self._finish_delayed_update()
         if self._swapper is None or self._swap_closed:
             return

@@ -203,6 +203,7 @@ def run(name: str, spec: str, out: str) -> None:
         "max_live_units": probe.max_live_units,
         "resumed_losses": resumed,
         "ckpt_dir": ckpt_dir,
+        "eager_steps": [getattr(e, "eager_steps", None) for e in trainer.strategy.engines] if kind != "ddp" else [],
         "nvme_left": sorted(str(p.relative_to(opts["nvme"])) for p in Path(opts["nvme"]).rglob("*")) if "nvme" in opts else [],
     }
     gathered = [None] * int(os.environ["WORLD_SIZE"])

@@ -23,12 +23,17 @@ PARITY = {
     "zero3_nvme_half_in_memory": "zero3:oopt=nvme,oparams=cpu,nvme=1,chunk_mb=0.004,frac=0.5",
     "zero3_dpu_in_warmup": "zero3:oopt=cpu,oparams=cpu,dpu=1000",  # delayed update never starts: exact
 }
+STEP_IN_BACKWARD = {  # no clipping, one micro-batch per step: the CPU step runs during backward
+    "zero2_offload_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1",
+    "zero3_offload_step_in_backward": "zero3:oopt=cpu,oparams=cpu,clip=0,accumulate=1",
+}
 SGD = {"zero2_offload_sgd": "zero2:oopt=cpu,opt=sgd", "zero3_offload_nvme_sgd": "zero3:oopt=nvme,oparams=nvme,nvme=1,opt=sgd"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    specs = {"ddp": "ddp", "ddp_sgd": "ddp:opt=sgd", **PARITY, **SGD,
+    specs = {"ddp": "ddp", "ddp_sgd": "ddp:opt=sgd", "ddp_noclip": "ddp:clip=0,accumulate=1", **PARITY, **SGD,
+             **STEP_IN_BACKWARD,
              "zero3_dpu": "zero3:oopt=cpu,oparams=cpu,dpu=3",
              "zero3_nvme_resume": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004,n_train=160,steps=20,resume=1"}
     return run_worker(tmp_path_factory.mktemp("offload"), 2, specs, timeout=1200)
@@ -43,6 +48,20 @@ def test_matches_ddp(runs: dict[str, dict], name: str) -> None:
     assert not bad, bad
     for r_got, r_ref in zip(got["per_rank"], ref["per_rank"]):  # rank 1 too
         assert _rel(r_got["losses"], r_ref["losses"]) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(STEP_IN_BACKWARD))
+def test_step_in_backward_matches_ddp(runs: dict[str, dict], name: str) -> None:
+    got, ref = runs[name], runs["ddp_noclip"]
+    assert got["eager_steps"] == [30] and len(got["losses"]) == len(ref["losses"]) == 30
+    assert _rel(got["losses"], ref["losses"]) < 1e-4
+    assert max(_weights_rel(got["weights"], ref["weights"]).values()) < 1e-4
+    for r_got, r_ref in zip(got["per_rank"], ref["per_rank"]):
+        assert _rel(r_got["losses"], r_ref["losses"]) < 1e-4
+
+
+def test_clipped_accumulated_runs_step_after_backward(runs: dict[str, dict]) -> None:
+    assert runs["zero2_offload"]["eager_steps"] == [0]
 
 
 @pytest.mark.parametrize("name", sorted(SGD))
