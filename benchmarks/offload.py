@@ -40,6 +40,7 @@ SHAPES: dict[str, dict[str, int]] = {
     "gpt_2.65b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=2560, seq_len=1024),
     "gpt_6b": dict(vocab_size=50304, n_layer=32, n_head=32, d_model=4096, seq_len=1024),
     "gpt_10b": dict(vocab_size=50304, n_layer=48, n_head=32, d_model=4096, seq_len=1024),
+    "gpt_10.1b": dict(vocab_size=50304, n_layer=49, n_head=32, d_model=4096, seq_len=1024),
     "gpt_13b": dict(vocab_size=50304, n_layer=40, n_head=40, d_model=5120, seq_len=1024),
 }
 """Shapes beyond conf/model: the issue's 2.65B workload and the 'largest model' candidates."""
