@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -11,6 +13,21 @@ from torch import Tensor
 def all_params(param_groups: list[dict]) -> list[Tensor]:
     """Parameters in optimizer order: the order ``grads=``/``out16=`` lists follow."""
     return [p for group in param_groups for p in group["params"]]
+
+
+def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, extra_ok: bool = True) -> None:
+    """Reject hyper-parameters no Adam-family optimizer can use, at construction (before any step)."""
+    if lr < 0 or math.isnan(lr) or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas) or not extra_ok:
+        raise ValueError(f"invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
+
+
+def adam_defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, adamw_mode: bool) -> dict[str, Any]:
+    """Checked param-group defaults in torch.optim.Adam's keys (state dicts move between the two)."""
+    check_hyper(lr, betas, eps, weight_decay)
+    return dict(
+        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+        amsgrad=False, maximize=False, decoupled_weight_decay=adamw_mode,
+    )  # fmt: skip
 
 
 def align(buffers: Sequence[Tensor | None] | None, params: list[Tensor], what: str) -> list[Tensor | None]:

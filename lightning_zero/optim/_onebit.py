@@ -30,7 +30,6 @@ behaviour: it resets them), the errors restart from zero and a log line says so.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
@@ -386,6 +385,3 @@ def bias_corrections(beta1: float, beta2: float, step: int, variance_step: int, 
     return 1.0 - beta1**step, 1.0 - beta2**variance_step
 
 
-def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas) or math.isnan(lr):
-        raise ValueError(f"invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.ops.registry import get_op
-from lightning_zero.optim._common import adam_state, align, all_params, check_group, grad_of
+from lightning_zero.optim._common import adam_defaults, adam_state, align, all_params, check_group, grad_of
 from lightning_zero.optim.torch_adam import torch_adam_step
 
 _CPU = torch.device("cpu")
@@ -55,13 +55,7 @@ class CPUAdam(torch.optim.Optimizer):
         *,
         num_threads: int | None = None,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            amsgrad=False, maximize=False, decoupled_weight_decay=adamw_mode,
-        )  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, adam_defaults(lr, betas, eps, weight_decay, adamw_mode))
         self.num_threads = num_threads
         for p in all_params(self.param_groups):
             if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():

@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_zero.ops.registry import get_op
 from lightning_zero.optim._bucketed import BucketedOptimizer
 from lightning_zero.optim._buckets import Bucket
-from lightning_zero.optim._common import all_params
+from lightning_zero.optim._common import adam_defaults, all_params
 from lightning_zero.optim.torch_adam import torch_adam_step
 from lightning_zero.optim.triton_adam import triton_adam_step, triton_available
 
@@ -63,13 +63,7 @@ class FusedAdam(BucketedOptimizer):
         weight_decay: float = 0.0,
         adamw_mode: bool = True,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
-        defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            amsgrad=False, maximize=False, decoupled_weight_decay=adamw_mode,
-        )  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, adam_defaults(lr, betas, eps, weight_decay, adamw_mode))
         for p in all_params(self.param_groups):
             if not p.is_contiguous() or p.dtype not in _KERNEL_DTYPES:
                 raise ValueError(f"FusedAdam needs contiguous float32/bfloat16/float16 params, got {p.dtype}")

@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_zero.ops.registry import get_op
 from lightning_zero.optim._bucketed import BucketedOptimizer
 from lightning_zero.optim._buckets import Bucket
-from lightning_zero.optim._common import all_params
+from lightning_zero.optim._common import all_params, check_hyper
 from lightning_zero.optim.fused_adam import cuda_op_supports
 from lightning_zero.optim.reference import lamb_step_reference
 
@@ -53,8 +53,7 @@ class FusedLamb(BucketedOptimizer):
         max_coeff: float = 10.0,
         min_coeff: float = 0.01,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas) or min_coeff > max_coeff:
-            raise ValueError(f"invalid hyper-parameters lr={lr} betas={betas} eps={eps} weight_decay={weight_decay}")
+        check_hyper(lr, betas, eps, weight_decay, extra_ok=min_coeff <= max_coeff)
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
             max_coeff=max_coeff, min_coeff=min_coeff,

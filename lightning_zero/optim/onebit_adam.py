@@ -24,7 +24,8 @@ from typing import Any, Optional
 from torch import Tensor
 
 from lightning_zero.comm.compressed.backend import CompressedBackend
-from lightning_zero.optim._onebit import OneBitOptimizer, bias_corrections, check_hyper
+from lightning_zero.optim._common import check_hyper
+from lightning_zero.optim._onebit import OneBitOptimizer, bias_corrections
 
 
 class OneBitAdam(OneBitOptimizer):
