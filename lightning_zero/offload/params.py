@@ -13,19 +13,18 @@ After the optimizer step the updated 16-bit chunks are written back to host memo
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Generator, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.offload.nvme import NvmeSwapper, SwapOp
 from lightning_zero.offload.pinned import aligned_empty
-from lightning_zero.offload.swap_state import make_placeholder, make_resident
+from lightning_zero.offload.swap_state import SwappedStore, make_placeholder, make_resident
 from lightning_zero.zero.sharded_group import ShardedParamGroup
 
 
-class NvmeParamStore:
+class NvmeParamStore(SwappedStore):
     """16-bit parameter chunks of stage-3 units in swap files ``g<group>.b<bucket>.param16.swap``."""
 
     def __init__(self, swapper: NvmeSwapper, groups: list[ShardedParamGroup], pin: bool) -> None:
@@ -112,22 +111,13 @@ class NvmeParamStore:
         self._reads.clear()
 
     # ---------------------------------------------------------------- whole partitions
-    @contextmanager
-    def host_state(self) -> Generator[None, None, None]:
-        """``shard16`` resident inside the block; written back (in-place edits included) on exit."""
-        if self.resident:
-            yield
-            return
-        self._depth += 1
-        if self._depth == 1:
-            self.drop_reads()
-            self._read_all()
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.swap_out()
+    def _swap_in_all(self) -> None:
+        """``shard16`` resident inside ``host_state``; written back (in-place edits included) on exit."""
+        self.drop_reads()
+        self._read_all()
+
+    def _swap_out_all(self) -> None:
+        self.swap_out()
 
     def _read_all(self) -> None:
         for gi, fg in enumerate(self.groups):

@@ -51,11 +51,41 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(lo, min(numel, lo + chunk_numel)) for lo in range(0, numel, chunk_numel)]
 
 
+class SwappedStore:
+    """What the two NVMe stores share: ``host_state()``, a re-entrant block inside which everything is
+    resident in host memory (checkpoints, user edits), swapped in on entry and out on the last exit."""
+
+    resident: bool = False
+    """Everything kept in host memory for good (teardown, when it fits): no swapping at all."""
+    _depth: int = 0
+
+    def _swap_in_all(self) -> None:
+        raise NotImplementedError
+
+    def _swap_out_all(self) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def host_state(self) -> Generator[None, None, None]:
+        if self.resident:
+            yield
+            return
+        self._depth += 1
+        if self._depth == 1:
+            self._swap_in_all()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._swap_out_all()
+
+
 AdamFn = Callable[[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]], None]
 """(master, grad, exp_avg, exp_avg_sq, out16) -> None: one Adam update of a chunk, in place."""
 
 
-class NvmeOptimizerStore:
+class NvmeOptimizerStore(SwappedStore):
     """Masters and shard-shaped optimizer states of every param group, on NVMe (see module note)."""
 
     def __init__(self, swapper: NvmeSwapper, masters: list[Tensor], optimizer: torch.optim.Optimizer,
@@ -227,26 +257,14 @@ class NvmeOptimizerStore:
         n = self.masters[gi].numel()
         return [k for k, v in st.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == n and n > 0]
 
-    @contextmanager
-    def host_state(self) -> Generator[None, None, None]:
-        """Masters and optimizer states resident in host memory inside the block (re-entrant)."""
-        if self.resident:
-            yield
-            return
-        self._depth += 1
-        if self._depth == 1:
-            self.flush()
-            for gi, m in enumerate(self.masters):
-                self.read_full(gi, "master", make_resident(m))
-                st = self.optimizer.state.get(m, {})
-                for key in self._state_keys(gi):
-                    self.read_full(gi, key, make_resident(st[key]))
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._swap_out_all()
+    def _swap_in_all(self) -> None:
+        """Masters and optimizer states into host memory (``host_state``)."""
+        self.flush()
+        for gi, m in enumerate(self.masters):
+            self.read_full(gi, "master", make_resident(m))
+            st = self.optimizer.state.get(m, {})
+            for key in self._state_keys(gi):
+                self.read_full(gi, key, make_resident(st[key]))
 
     def _swap_out_all(self) -> None:
         for gi, m in enumerate(self.masters):
