@@ -129,12 +129,6 @@ class NvmeParamStore(SwappedStore):
                 self.swapper.read(self.name(gi, bi), staging).wait()
                 fg.shard16[off : off + n].copy_(staging)
 
-    def keep_in_memory(self) -> None:
-        if self.resident:
-            return
-        self.drop_reads()
-        self._read_all()
-        self.resident = True
 
 
 def stage_to_device(host: Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:

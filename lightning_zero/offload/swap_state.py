@@ -65,6 +65,13 @@ class SwappedStore:
     def _swap_out_all(self) -> None:
         raise NotImplementedError
 
+    def keep_in_memory(self) -> None:
+        """Bring everything into host memory for good (teardown); the swap files may then go."""
+        if self.resident:
+            return
+        self._swap_in_all()
+        self.resident = True
+
     @contextmanager
     def host_state(self) -> Generator[None, None, None]:
         if self.resident:
@@ -291,14 +298,3 @@ class NvmeOptimizerStore(SwappedStore):
             st["exp_avg_sq"] = make_placeholder(torch.empty(m.numel(), dtype=torch.float32))
         return st
 
-    def keep_in_memory(self) -> None:
-        """Bring everything into host memory for good (teardown); the swap files may then go."""
-        if self.resident:
-            return
-        self.flush()
-        for gi, m in enumerate(self.masters):
-            self.read_full(gi, "master", make_resident(m))
-            st = self.optimizer.state.get(m, {})
-            for key in self._state_keys(gi):
-                self.read_full(gi, key, make_resident(st[key]))
-        self.resident = True
