@@ -64,8 +64,9 @@ from lightning_zero.zero.engine import ZeroEngine, _Pending
 log = logging.getLogger(__name__)
 
 STEP_CHUNK = 1 << 25
-"""Elements per CPU Adam call. The compiled op holds the GIL while it runs; in pieces of ~0.1 s or less
-the training thread gets it back between them (the delayed update runs the step in a thread)."""
+"""Elements per CPU Adam call after backward. The compiled op releases the GIL, so the size does not
+matter to it; torch's fallback (no compiler) allocates temporaries as large as its input, which this
+bounds to a few hundred MB."""
 
 
 @dataclass(frozen=True)
