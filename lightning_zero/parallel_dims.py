@@ -73,3 +73,14 @@ class ParallelDims:
             g = C.new_group(self.pp_ranks(d), timeout_s)
             if d == self.dp_rank:
                 self.pp_group = g
+
+    def build_stage_group(self, stages: list[int], timeout_s: Optional[float] = None) -> Optional[C.ProcessGroup]:
+        """Groups over the given pipeline stages, one per data-parallel replica (collective: every rank
+        calls it, in the same order); this rank's group, or None when its stage is not among ``stages``.
+        Tied layers use them (pipeline/tied.py): the copies of one tied module all-reduce their gradients."""
+        mine: Optional[C.ProcessGroup] = None
+        for d in range(self.dp):
+            group = C.new_group([self.pp_ranks(d)[s] for s in stages], timeout_s)
+            if d == self.dp_rank and self.pp_rank in stages:
+                mine = group
+        return mine

@@ -44,19 +44,17 @@ class TiedCopy:
 
 
 def build_tied_copies(pipe: PipelineModule, dims: ParallelDims, timeout_s: Optional[float]) -> list[TiedCopy]:
-    """Create the tied groups (collective over all ranks) and return this rank's copies."""
+    """Create the tied groups (collective over all ranks, in parallel_dims.py) and return this rank's copies."""
     copies: list[TiedCopy] = []
     holders = pipe.tied_holders()
     for key in sorted(holders):
         stages = holders[key]
         if len(stages) < 2:
             continue
-        for d in range(dims.dp):
-            ranks = [dims.pp_ranks(d)[s] for s in stages]
-            group = C.new_group(ranks, timeout_s)
-            if d == dims.dp_rank and dims.pp_rank in stages:
-                params = list(pipe.tied_module(key).parameters())
-                copies.append(TiedCopy(key, group, stages, params, dims.pp_rank == stages[0]))
+        group = dims.build_stage_group(stages, timeout_s)
+        if dims.pp_rank in stages:
+            params = list(pipe.tied_module(key).parameters())
+            copies.append(TiedCopy(key, group, stages, params, dims.pp_rank == stages[0]))
     return copies
 
 
