@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generator, Iterable, Optional
+from typing import Any, Callable, Generator, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -280,25 +280,16 @@ class OffloadMixin:
         if not (self.step_in_backward and self._eager_possible and self._backwards == 0):
             return None
         self._wait_h2d(self._up)  # the upload buffer about to be written: its last upload must be done
-        opt = self.optimizer
-        hypers = [adam_hyper(opt, pg) for pg in opt.param_groups]  # this step's learning rate
-        states, steps, outs = [], [], []
-        for gi, fg in enumerate(self.groups):
-            st = self._host_adam_state(fg.master)
-            st["step"] += 1
-            states.append(st)
-            steps.append(int(st["step"].item()))
-            out = self._upload_buffer(gi, self._up)
-            assert out is None or out.dtype != torch.float32, "fp32 upload buffers are filled after the step"
-            outs.append(out)
-        grads = [hg.landing for hg in self._grads]
         threads = max(1, torch.get_num_threads() - 1)  # one core stays with the thread driving backward
+        ranges = []
+        for gi, pg in enumerate(self.optimizer.param_groups):
+            hyper = adam_hyper(self.optimizer, pg)  # this step's learning rate
+            out = self._upload_buffer(gi, self._up)
+            assert hyper is not None and (out is None or out.dtype != torch.float32), "see _eager_possible"
+            ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
 
         def update(gi: int, lo: int, hi: int) -> None:
-            st, out, hyper = states[gi], outs[gi], hypers[gi]
-            assert hyper is not None
-            adam_update(self._op, self.groups[gi].master[lo:hi], grads[gi][lo:hi], st["exp_avg"][lo:hi],
-                        st["exp_avg_sq"][lo:hi], None if out is None else out[lo:hi], steps[gi], hyper, 1.0, threads)
+            ranges[gi](lo, hi)
 
         if self._eager_pool is None:
             self._eager_pool = ThreadPoolExecutor(1, "lz-step-in-backward")
@@ -407,17 +398,30 @@ class OffloadMixin:
 
                 store.adam_step(gi, grad, out, update)
                 continue
-            st = self._host_adam_state(fg.master)
-            st["step"] += 1
-            step = int(st["step"].item())
-            out16 = out if out is not None and out.dtype != torch.float32 else None
-            for lo in range(0, fg.master.numel(), STEP_CHUNK):  # see STEP_CHUNK
-                hi = lo + STEP_CHUNK
-                adam_update(self._op, fg.master[lo:hi], grad[lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi],
-                            None if out16 is None else out16[lo:hi], step, hyper, scale, threads)
-            if out is not None and out16 is None:
+            update_range = self._begin_host_adam(gi, grad, out, hyper, scale, threads)
+            n = fg.master.numel()
+            for lo in range(0, n, STEP_CHUNK):  # see STEP_CHUNK
+                update_range(lo, min(n, lo + STEP_CHUNK))
+            if out is not None and out.dtype == torch.float32:
                 out.copy_(fg.master)
         self._out_valid = True
+
+    def _begin_host_adam(self, gi: int, grad: Tensor, out: Optional[Tensor], hyper: AdamHyper, scale: float,
+                         threads: int) -> Callable[[int, int], None]:
+        """Count one Adam step for group ``gi``'s host-resident master and return the function that
+        updates a range ``[lo, hi)`` of it (writing a 16-bit ``out`` in the same pass). The step after
+        backward calls it chunk by chunk; the step during backward (eager.py) bucket by bucket."""
+        master = self.groups[gi].master
+        st = self._host_adam_state(master)
+        st["step"] += 1
+        step = int(st["step"].item())
+        out16 = out if out is not None and out.dtype != torch.float32 else None
+
+        def update_range(lo: int, hi: int) -> None:
+            adam_update(self._op, master[lo:hi], grad[lo:hi], st["exp_avg"][lo:hi], st["exp_avg_sq"][lo:hi],
+                        None if out16 is None else out16[lo:hi], step, hyper, scale, threads)
+
+        return update_range
 
     def _host_adam_state(self, master: Tensor) -> dict:
         """The master's Adam moments, created in the host pool (see pinned.py [Note: forked workers])."""

@@ -130,7 +130,6 @@ class NvmeParamStore(SwappedStore):
                 fg.shard16[off : off + n].copy_(staging)
 
 
-
 def stage_to_device(host: Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:
     """A new device tensor with ``host``'s values, copied asynchronously (pinned source on CUDA).
 

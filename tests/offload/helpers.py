@@ -23,7 +23,8 @@ def trainer(steps: int = 4, callbacks: Optional[list] = None, precision: str = "
         accelerator=accelerator, devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         limit_val_batches=1, val_check_interval=3, num_sanity_val_steps=0, accumulate_grad_batches=accumulate,
-        gradient_clip_val=clip, precision=None if plugins else precision, plugins=plugins, callbacks=callbacks or [], strategy=ZeroStrategy(**strategy),
+        gradient_clip_val=clip, precision=None if plugins else precision, plugins=plugins,
+        callbacks=callbacks or [], strategy=ZeroStrategy(**strategy),
     )
 
 
