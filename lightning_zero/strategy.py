@@ -11,7 +11,7 @@ Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import torch
@@ -39,6 +39,8 @@ from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.zero import state_dict as zsd
+from lightning_zero.zero.buffers import BufferSync
+from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
@@ -88,6 +90,10 @@ class ZeroStrategy(ParallelStrategy):
         self._orig_dtypes: dict[str, torch.dtype] = {}
         self._guards: list = []
         self._pipeline: Optional[PipelineIntegration] = None
+        self._buffer_sync: Optional[BufferSync] = None
+        self._watched: set[str] = set()
+        """Step kinds whose first batch ran under stage 3's ReadWatch (read_watch.py)."""
+        self._watch: Optional[ReadWatch] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -197,6 +203,9 @@ class ZeroStrategy(ParallelStrategy):
                         raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
         if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
             self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
+        group = self.dims.dp_group if self.dims is not None else None
+        self._buffer_sync = BufferSync(self.model, group, self.root_device)
+        self._watched = set()
 
     @contextmanager
     @override
@@ -216,59 +225,106 @@ class ZeroStrategy(ParallelStrategy):
 
         A no-op below stage 3. Under stage 3 it is collective: every rank must enter it.
         """
-        engines = [e for e in self._engines.values() if isinstance(e, Stage3Engine)]
-        if not engines:
-            yield
-            return
-        with engines[0].gathered_params(module, writeback):
+        with ExitStack() as stack:
+            for engine in self._stage3_engines():
+                stack.enter_context(engine.gathered_params(module, writeback))
             yield
 
-    def _begin_step(self) -> None:
-        for engine in self._engines.values():
-            if isinstance(engine, Stage3Engine):
-                engine.begin_step()
+    def _stage3_engines(self) -> list[Stage3Engine]:
+        return [e for e in self._engines.values() if isinstance(e, Stage3Engine)]
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """A new batch: the first of each kind (train, val, test, predict) runs under ReadWatch, from
+        here to the next batch (read_watch.py)."""
+        self._end_watch()
+        engines = self._stage3_engines()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        kind = _loop_kind(trainer)
+        if engines and kind is not None and kind not in self._watched:
+            self._watched.add(kind)
+            self._watch = ReadWatch(engines)
+            self._watch.__enter__()
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def _end_watch(self) -> None:
+        if self._watch is not None:
+            watch, self._watch = self._watch, None
+            watch.__exit__(None, None, None)
+
+    @contextmanager
+    def _begin_step(self, kind: str) -> Generator[None, None, None]:
+        """Buffers from rank 0 (buffers.py), stage-3 root and resident units gathered; a first batch's
+        ReadWatch gathers what the step reads outside units (read_watch.py)."""
+        if self._buffer_sync is not None and kind in ("train", "val"):
+            self._buffer_sync.sync()
+        for engine in self._stage3_engines():
+            engine.begin_step()
+        watch = self._watch
+        if watch is not None:
+            watch.gathering = True
+        try:
+            yield
+        finally:
+            if watch is not None:
+                watch.gathering = False
 
     def _end_eval_step(self) -> None:
-        for engine in self._engines.values():
-            if isinstance(engine, Stage3Engine):
-                engine.end_eval_step()
+        for engine in self._stage3_engines():
+            engine.end_eval_step()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
-        return super().training_step(*args, **kwargs)
+        with self._begin_step("train"):
+            return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
         try:
-            return super().validation_step(*args, **kwargs)
+            with self._begin_step("val"):
+                return super().validation_step(*args, **kwargs)
         finally:
             self._end_eval_step()
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
         try:
-            return super().test_step(*args, **kwargs)
+            with self._begin_step("test"):
+                return super().test_step(*args, **kwargs)
         finally:
             self._end_eval_step()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._begin_step()
         try:
-            return super().predict_step(*args, **kwargs)
+            with self._begin_step("predict"):
+                return super().predict_step(*args, **kwargs)
         finally:
             self._end_eval_step()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Torch's error on a released ZeRO-3 parameter becomes one that says where and what to do."""
+        self._end_watch()
+        released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
+        message = explain_released_read(exception, released) if released else None
+        if message is not None:
+            exception.args = (message,)
+
+    def _param_name(self, param: torch.nn.Parameter) -> str:
+        for engine in self._engines.values():
+            name = engine.param_names.get(id(param))
+            if name is not None:
+                return name
+        return "a parameter"
 
     def _build_engines(self) -> None:
         assert self.dims is not None and self.lightning_module is not None
         engine_cls = ENGINES[self.config.stage]
         stage_options: dict[str, Any] = {}
+        names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
+        _check_optimizers_own_their_params(self.optimizers, names)
         if self.config.stage == 3:
-            if len(self.optimizers) != 1:
-                raise ValueError(f"ZeRO stage 3 supports exactly one optimizer, got {len(self.optimizers)}.")
             lm = self.lightning_module
             stage_options = {
                 "module": lm,
@@ -284,10 +340,10 @@ class ZeroStrategy(ParallelStrategy):
             stage_options["offload"] = OffloadSettings.from_config(self.config, self.num_processes, self.global_rank)
         dtype = self.precision_plugin.compute_dtype
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
-        names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
         norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []
         self._engines = {}
-        for opt in self.optimizers:
+        frozen = _frozen_params(self.lightning_module, self.optimizers) if self.config.stage == 3 else []
+        for i, opt in enumerate(self.optimizers):
             compressed_comm.attach_backend(opt, self.config.stage, self.dims.dp_group)  # 1-bit optimizers only
             engine = engine_cls(
                 opt,
@@ -298,8 +354,14 @@ class ZeroStrategy(ParallelStrategy):
                 norm_groups=norm_groups,
                 param_names=names,
                 **stage_options,
+                **({"frozen_params": frozen} if i == 0 and frozen else {}),
             )
             self._engines[id(opt)] = engine
+            opt.zero_grad = engine.zero_grad  # type: ignore[method-assign]  # engine.py [Note: the optimizer keeps ...]
+        for lopt in self._lightning_optimizers:
+            engine = self._engines.get(id(lopt.optimizer))
+            if engine is not None:
+                lopt.zero_grad = engine.zero_grad  # type: ignore[method-assign]
 
     def _broadcast_module_states(self) -> None:
         """Make every replica start from rank 0's weights and buffers (as DDP does at wrap time)."""
@@ -465,6 +527,8 @@ class ZeroStrategy(ParallelStrategy):
         for k, v in state.items():
             value = keyed.get(k, v)
             want = self._orig_dtypes.get(k)
+            if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:
+                raise RuntimeError(f"'{k}' is a released ZeRO-3 parameter that no engine holds a partition of.")
             if torch.is_tensor(value) and want is not None and value.dtype != want:
                 value = value.to(want)
             out[k] = value.detach().cpu() if torch.is_tensor(value) else value
@@ -475,7 +539,7 @@ class ZeroStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         sd = checkpoint["state_dict"]
-        sharded = {id(p) for e in self._engines.values() if isinstance(e, Stage3Engine) for fg in e.groups for p in fg.params}
+        sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}
         if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
             names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
             missing = [k for k in names if k not in sd]
@@ -520,6 +584,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        self._end_watch()
         for engine in self._engines.values():
             engine.teardown()  # offload: finish a delayed step, release swap files
             engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
@@ -545,3 +610,36 @@ class ZeroStrategy(ParallelStrategy):
         from lightning_zero.registry import register_all
 
         register_all(strategy_registry)
+
+
+def _check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[int, str]) -> None:
+    """Each parameter in at most one optimizer: its partition and optimizer state exist once."""
+    owner: dict[int, int] = {}
+    for i, opt in enumerate(optimizers):
+        for pg in opt.param_groups:
+            for p in pg["params"]:
+                j = owner.setdefault(id(p), i)
+                if j != i:
+                    raise ValueError(
+                        f"Parameter '{names.get(id(p), '?')}' is in optimizer {j} ({type(optimizers[j]).__name__}) and in "
+                        f"optimizer {i} ({type(opt).__name__}). ZeRO keeps one partition and one optimizer state per "
+                        "parameter: give every parameter to exactly one optimizer in configure_optimizers."
+                    )
+
+
+def _frozen_params(module: torch.nn.Module, optimizers: list[Optimizer]) -> list[torch.nn.Parameter]:
+    """Stage 3 partitions these too, without gradients, masters or optimizer state: parameters with
+    ``requires_grad=False`` or in no optimizer (the frozen base of a LoRA fine-tune). Non-floating
+    parameters stay replicated."""
+    trainable = {id(p) for opt in optimizers for pg in opt.param_groups for p in pg["params"] if p.requires_grad}
+    return [p for p in module.parameters() if id(p) not in trainable and p.is_floating_point()]
+
+
+def _loop_kind(trainer: Optional["pl.Trainer"]) -> Optional[str]:
+    if trainer is None:
+        return None
+    for kind, flag in (("train", trainer.training), ("val", trainer.validating or trainer.sanity_checking),
+                       ("test", trainer.testing), ("predict", trainer.predicting)):
+        if flag:
+            return kind
+    return None

@@ -31,9 +31,11 @@ class ZeroConfig:
     where gloo collectives are asynchronous already)."""
 
     unit_policy: Optional[list[str]] = None
-    """Stage 3: which module subtrees are gathered as one unit. None: every child of an ``nn.ModuleList``
-    or ``nn.ModuleDict`` (transformer blocks, PipelineModule layers); else class names or fnmatch
-    patterns of module names, e.g. ``["Block"]``."""
+    """Stage 3: which module subtrees are gathered as one unit. None: repeated blocks found through
+    ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential`` (transformer blocks, timm/torchvision stages;
+    lightning_zero/zero/units.py [Note: what a unit is]); else class names or fnmatch patterns of module
+    names, e.g. ``["Block"]``. Parameters read outside their unit's forward are found in the first step
+    and kept gathered for whole steps."""
 
     prefetch_units: int = 1
     """Stage 3: how many units ahead (in the recorded execution order) to all-gather while one computes."""

@@ -318,7 +318,7 @@ class OffloadMixin:
             self._d2h.synchronize()
 
     def post_backward(self) -> None:
-        syncing = self._syncing  # type: ignore[attr-defined]
+        syncing = self._syncing and not self._nothing_to_reduce()  # type: ignore[attr-defined]
         super().post_backward()  # type: ignore[misc]
         if syncing:
             for hg in self._grads:
@@ -335,6 +335,14 @@ class OffloadMixin:
         else:
             local = torch.tensor([math.sqrt(sum_of_squares(list(grads)))], device=self.device)
         return super().global_grad_norm_sq([local])  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._eager is not None:
+            raise RuntimeError(
+                "optimizer.zero_grad() between backward and step: with offload_step_in_backward the update already "
+                "ran during backward. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
+            )
+        super().zero_grad(set_to_none)  # type: ignore[misc]
 
     def _zero_grads(self) -> None:
         super()._zero_grads()  # type: ignore[misc]
@@ -375,7 +383,7 @@ class OffloadMixin:
         hypers = hypers or [adam_hyper(opt, pg) for pg in opt.param_groups]
         outs = [self._upload_buffer(gi, up) for gi in range(len(self.groups))]
         if not all(h is not None for h in hypers):
-            with self.host_state():
+            with self.host_state(), self.masters_in_optimizer():  # type: ignore[attr-defined]
                 generic_step(opt, [fg.master for fg in self.groups], grads, coef)
                 for fg, out in zip(self.groups, outs):
                     if out is not None:
@@ -563,7 +571,7 @@ class ParamOffloadMixin(OffloadMixin):
         super()._setup_offload()
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
-        if self.offload.params == "none":
+        if self.offload.params == "none" or gi >= len(self.groups):  # frozen partitions stay on the device
             return super()._gather_source(gi, bi)  # type: ignore[misc]
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]

@@ -2,8 +2,9 @@
 
 What happens, in order, for one optimizer step (stage files override only the marked steps):
 
-1. ``__init__``: every param group becomes a :class:`FlatParamGroup`; the optimizer's group is
-   re-pointed at the fp32 master; a post-accumulate-grad hook goes on every trainable parameter.
+1. ``__init__``: every param group becomes a :class:`FlatParamGroup` (its fp32 master is what the
+   optimizer steps, see [Note: the optimizer keeps the model's parameters]); a post-accumulate-grad
+   hook goes on every trainable parameter.
 2. backward: each hook stashes its gradient (``_stash_grad``, per stage) and marks it ready; a
    bucket whose parameters are all ready is launched (``_launch``, per stage) **in bucket order**.
 3. ``post_backward`` (called by the strategy after every backward): buckets still waiting (their
@@ -19,6 +20,17 @@ it and every bucket before it are ready; whatever is left is launched by ``post_
 may therefore disagree on *when* a bucket goes, never on the order, which is why parameters without
 a gradient in a step need no ``find_unused_parameters`` flag. Their gradient counts as zero (as in
 DeepSpeed): with Adam, a parameter unused by every rank still sees its moments decay.
+
+[Note: the optimizer keeps the model's parameters]
+The user's ``optimizer.param_groups`` keep listing the model's own parameters: Lightning's
+``toggle_optimizer`` flips ``requires_grad`` through them (a GAN's discriminator must not step with
+the generator's gradients), schedulers and LR finders edit their hyper-parameters, users read them.
+Only for the duration of ``optimizer.step()`` does each group list the flat master instead
+(:meth:`ZeroEngine.masters_in_optimizer`), so ``optimizer.state`` is keyed by the masters. The
+optimizer's ``zero_grad`` is replaced by :meth:`ZeroEngine.zero_grad`, which discards what the engine
+has accumulated (stage 1-3 gradients live in shards, not in ``param.grad``). The parameter lists are
+checked before every step: a group added, or a parameter unfrozen, after setup is an error, not a
+parameter silently left unstepped.
 """
 
 from __future__ import annotations
@@ -100,6 +112,7 @@ class ZeroEngine:
         ]
         self._setup_grad_storage()
         self._bw = self._fresh_backward_state()
+        self._managed = {id(p) for fg in self.groups for p in fg.params}
         self._hooks = [
             fg.params[slot.index].register_post_accumulate_grad_hook(self._make_hook(gi, si))
             for gi, fg in enumerate(self.groups)
@@ -131,7 +144,6 @@ class ZeroEngine:
         for pg, params in zip(self.optimizer.param_groups, self._trainable_groups()):
             layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
             fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device, **self._group_kwargs())
-            pg["params"] = [fg.master]
             if hasattr(self.optimizer, "bind_flat_params"):  # tensor boundaries for per-tensor math (1-bit LAMB)
                 self.optimizer.bind_flat_params(fg.master, [(s.offset, s.numel) for s in layout.slots], num_shards > 1)
             self.groups.append(fg)
@@ -215,8 +227,9 @@ class ZeroEngine:
             bw.next_launch += 1
 
     def post_backward(self) -> None:
-        """Finish the reduction of this backward pass (no-op while gradients accumulate locally)."""
-        if not self._syncing:
+        """Finish the reduction of this backward pass (no-op while gradients accumulate locally, or
+        when no parameter of this engine could receive a gradient: another optimizer's toggled step)."""
+        if not self._syncing or self._nothing_to_reduce():
             return
         bw = self._bw
         while bw.next_launch < len(self.launch_order):
@@ -226,6 +239,65 @@ class ZeroEngine:
             p.work.wait()
             p.finalize()
         self._bw = self._fresh_backward_state()
+
+    def _nothing_to_reduce(self) -> bool:
+        """No gradient arrived and none could (every parameter has ``requires_grad=False``, e.g. another
+        optimizer is toggled): the same on every rank, since the program sets ``requires_grad``."""
+        bw = self._bw
+        if bw.next_launch or any(any(r) for r in bw.ready):
+            return False
+        return not any(p.requires_grad for fg in self.groups for p in fg.params)
+
+    # ---------------------------------------------------------------- the user's optimizer
+    @contextmanager
+    def masters_in_optimizer(self) -> Generator[None, None, None]:
+        """Each param group lists its flat master while the block runs (see [Note: the optimizer
+        keeps the model's parameters])."""
+        groups = self.optimizer.param_groups
+        saved = [pg["params"] for pg in groups]
+        for pg, fg in zip(groups, self.groups):
+            pg["params"] = [fg.master]
+        try:
+            yield
+        finally:
+            for pg, params in zip(groups, saved):
+                pg["params"] = params
+
+    def check_param_groups(self) -> None:
+        """Refuse a step whose param groups changed since setup in a way the partition cannot follow."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.original_params):
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__} has {len(groups)} param groups, but had {len(self.original_params)} "
+                "when the ZeRO strategy set up: add param groups in configure_optimizers, before fit starts."
+            )
+        for gi, (pg, params) in enumerate(zip(groups, self.original_params)):
+            if len(pg["params"]) != len(params) or any(p is not q for p, q in zip(pg["params"], params)):
+                raise RuntimeError(
+                    f"The parameters of param group {gi} of {type(self.optimizer).__name__} changed after the ZeRO "
+                    "strategy set up; it partitioned them then. Build the param groups in configure_optimizers."
+                )
+            for p in params:
+                if id(p) not in self._managed and p.grad is not None:
+                    name = self.param_names.get(id(p), f"a parameter of param group {gi}")
+                    raise RuntimeError(
+                        f"'{name}' was frozen (requires_grad=False) when the ZeRO strategy set up, so it has no "
+                        "partition, but now has a gradient. Set requires_grad before fit (e.g. in "
+                        "configure_model or __init__), not during training."
+                    )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Installed as the optimizer's ``zero_grad``: discard the gradients this engine accumulated
+        (they live in its buffers and shards), and clear ``.grad`` of parameters it does not manage."""
+        self._zero_grads()
+        for pg in self.optimizer.param_groups:
+            for p in pg["params"]:
+                if id(p) in self._managed or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
 
     # ---------------------------------------------------------------- the step
     def global_grad_norm_sq(self, grads: Sequence[Tensor]) -> Tensor:
@@ -241,6 +313,7 @@ class ZeroEngine:
 
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None) -> bool:
         """Unscale, clip by the global norm, step the master shard, write back. False when skipped."""
+        self.check_param_groups()
         grads = self._master_grads()
         scale = scaler.scale if scaler is not None else 1.0
         norm = float(self.global_grad_norm_sq(grads).sqrt()) / scale
@@ -265,7 +338,8 @@ class ZeroEngine:
             if coef != 1.0:
                 g.mul_(coef)
             fg.master.grad = g
-        self.optimizer.step()
+        with self.masters_in_optimizer():
+            self.optimizer.step()
         for fg in self.groups:
             fg.master.grad = None
 
@@ -285,6 +359,14 @@ class ZeroEngine:
         self._hooks = []
 
     # ---------------------------------------------------------------- inspection
+    def param_shards(self, trainable: bool = True, frozen: bool = True) -> list[Tensor]:
+        """The storage of this rank's parameters (stages 0-2: the full 16-bit buffers)."""
+        return [fg.flat_param for fg in self.groups] if trainable else []
+
+    def sharded_params(self) -> list[Parameter]:
+        """Parameters whose storage is released between uses (stage 3 only)."""
+        return []
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (for memory reports)."""
         total = 0

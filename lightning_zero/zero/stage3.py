@@ -4,7 +4,8 @@ What is new over stage 2 (stage2.py), in the order it happens:
 
 * layout: one bucket per (unit, param group) instead of size-capped buckets (units.py says what a
   unit is), so a unit's gather and its gradient reduce-scatter are one collective per group;
-* ``begin_step``: the root unit (embeddings, tied head, final norm) is gathered for the whole step;
+* ``begin_step``: the root unit (embeddings, tied head, final norm) and the resident units (read
+  outside their forward, read_watch.py) are gathered for the whole step;
 * forward pre-hook of a unit: gather it (waiting for a prefetch if one is in flight), then prefetch
   the next ``prefetch_units`` units of the recorded order while this one computes; forward
   post-hook: release it, and hook its outputs so it is gathered again when backward reaches it;
@@ -12,6 +13,15 @@ What is new over stage 2 (stage2.py), in the order it happens:
   has its gradient, the unit is released; ``post_backward`` releases whatever is left;
 * step: the fp32 master shard steps; the 16-bit shard is refreshed from it; nothing is all-gathered
   (the next forward gathers), except persistent units, which stay gathered and are refreshed here.
+
+[Note: frozen parameters]
+Parameters no optimizer steps (``requires_grad=False``, or in no optimizer: the frozen base of a LoRA
+fine-tune) are partitioned and gathered with their unit like the others, in one extra
+:class:`ShardedParamGroup` per engine (``frozen_groups``; the strategy gives them to its first
+engine) whose only shard is in the compute dtype: no fp32 master, no gradient buffer, no optimizer
+state. Their unit buckets index ``all_groups = groups + frozen_groups``; everything that steps or
+reduces loops over ``groups`` only. Several optimizers mean several engines over the same units,
+each gathering its own buckets in the same hooks.
 
 [Note: two process groups]
 Parameter all-gathers run on their own data-parallel group. Gradient buckets launch in bucket order
@@ -32,6 +42,7 @@ from typing import Any, Generator, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.zero.partition import build_grouped_layout
@@ -54,6 +65,10 @@ def _tensors(output: Any) -> list[Tensor]:
     return []
 
 
+def _drop_grad(param: Tensor) -> None:
+    param.grad = None
+
+
 class Stage3Engine(Stage2Engine):
     stage = 3
 
@@ -68,25 +83,35 @@ class Stage3Engine(Stage2Engine):
         materialize = opts.get("materialize")
         self.units: list[Unit] = find_units(module, opts.get("unit_policy"))  # type: ignore[arg-type]
         per_group = self._trainable_groups()
-        owner = assign_params(module, self.units, [p for ps in per_group for p in ps])
+        frozen: list[Parameter] = list(opts.get("frozen_params", ()))  # type: ignore[call-overload]
+        owner = assign_params(module, self.units, [p for ps in per_group for p in ps] + frozen)
         order = [u.index for u in reversed(self.units[1:])] + [ROOT]  # backward order: last block first
-        for gi, (pg, params) in enumerate(zip(self.optimizer.param_groups, per_group)):
+        self.frozen_groups: list[ShardedParamGroup] = []
+        """[Note: frozen parameters] partitions of parameters no optimizer steps (index ``len(groups) + i``
+        in unit buckets)."""
+        builds = [(params, self._group_kwargs(), False) for params in per_group]
+        if frozen:
+            builds.append((frozen, {"master_dtype": self.compute_dtype}, True))
+        for gi, (params, kwargs, is_frozen) in enumerate(builds):
             keys = [owner[id(p)] for p in params]
             layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, self.dp_size, align=8)
-            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device, **self._group_kwargs())
+            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device, **kwargs)
             for key, bi in bucket_of.items():
                 unit = self.units[key]
                 unit.buckets.append((gi, bi))
                 unit.numel += layout.buckets[bi].data_end - layout.buckets[bi].start
                 unit.params += [params[layout.slots[si].index] for si in layout.buckets[bi].slots]
-            pg["params"] = [fg.master]
-            self.groups.append(fg)
+            (self.frozen_groups if is_frozen else self.groups).append(fg)
+        self.all_groups: list[ShardedParamGroup] = self.groups + self.frozen_groups  # type: ignore[operator]
         for unit in self.units:  # unit by unit: a meta-built model is materialised one unit at a time
             if materialize is not None:
                 materialize(unit, self.units)  # type: ignore[operator]
             for gi, bi in unit.buckets:
-                self.groups[gi].adopt(bi)
+                self.all_groups[gi].adopt(bi)
             unit.persistent = not unit.is_root and unit.numel <= threshold
+        self._frozen_grad_hooks = [  # trainable but in no optimizer: never stepped, so its gradient is dropped
+            p.register_post_accumulate_grad_hook(_drop_grad) for p in frozen if p.requires_grad
+        ]
         self._pending: dict[int, list] = {}
         self._gathered: set[int] = set()
         self._versions: dict[int, list[int]] = {}
@@ -95,6 +120,8 @@ class Stage3Engine(Stage2Engine):
         self._order_frozen = False
         self._last_pos: dict[int, int] = {}
         self._cursor = 0
+        self.running: set[int] = set()
+        """Units whose forward is executing now (read_watch.py asks)."""
         self.live_numel = 0
         self.max_live_units_seen = 0
         self.max_live_numel_seen = 0
@@ -115,13 +142,13 @@ class Stage3Engine(Stage2Engine):
         if unit.index not in self._gathered:
             works = []
             for gi, bi in unit.buckets:
-                fg = self.groups[gi]
+                fg = self.all_groups[gi]
                 buf = fg.allocate(bi)
                 works.append(C.all_gather(buf, self._gather_source(gi, bi), self.param_group, async_op=True))
             self._pending[unit.index] = works
             self._gathered.add(unit.index)
             self.live_numel += unit.numel
-            live_units = sum(1 for i in self._gathered if not self.units[i].is_root and not self.units[i].persistent)
+            live_units = sum(1 for i in self._gathered if not self.units[i].held_for_step and not self.units[i].persistent)
             self.max_live_units_seen = max(self.max_live_units_seen, live_units)
             self.max_live_numel_seen = max(self.max_live_numel_seen, self.live_numel)
         if wait:
@@ -129,7 +156,7 @@ class Stage3Engine(Stage2Engine):
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
         """This rank's chunk of bucket ``bi`` on the device (offload/engine.py copies it from the host)."""
-        return self.groups[gi].gather_source(bi)
+        return self.all_groups[gi].gather_source(bi)
 
     def _wait(self, unit: Unit) -> None:
         works = self._pending.pop(unit.index, None)
@@ -139,12 +166,13 @@ class Stage3Engine(Stage2Engine):
             self._versions[unit.index] = [p._version for p in unit.params]
 
     def release(self, unit: Unit, force: bool = False) -> None:
-        if unit.index not in self._gathered or (unit.persistent and not force):
+        """Free the unit's full buffers; persistent and resident units only when ``force``d."""
+        if unit.index not in self._gathered or ((unit.persistent or unit.resident) and not force):
             return
         self._wait(unit)
         self._check_unmodified(unit)
         for gi, bi in unit.buckets:
-            self.groups[gi].free(bi)
+            self.all_groups[gi].free(bi)
         self._gathered.discard(unit.index)
         self._versions.pop(unit.index, None)
         self.live_numel -= unit.numel
@@ -165,7 +193,7 @@ class Stage3Engine(Stage2Engine):
     def _prefetch(self, upcoming: Iterable[int]) -> None:
         for idx in upcoming:
             unit = self.units[idx]
-            if idx in self._gathered or unit.persistent or unit.is_root:
+            if idx in self._gathered or unit.persistent or unit.held_for_step:
                 continue
             if self.live_numel + unit.numel > self.max_live:
                 return
@@ -179,6 +207,7 @@ class Stage3Engine(Stage2Engine):
                 return
             if not self._order_frozen and torch.is_grad_enabled():
                 self.order.append(unit.index)
+            self.running.add(unit.index)
             self.gather(unit)
             if self._order_frozen and self.prefetch_units > 0:
                 pos = self._cursor
@@ -192,6 +221,7 @@ class Stage3Engine(Stage2Engine):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if _in_backward():
                 return output
+            self.running.discard(unit.index)
             if torch.is_grad_enabled():
                 tensors = [t for t in _tensors(output) if t.requires_grad]
                 if tensors:
@@ -218,20 +248,35 @@ class Stage3Engine(Stage2Engine):
         idx = self._unit_of_slot[(gi, si)]
         unit = self.units[idx]
         if idx not in self._grads_left:
-            self._grads_left[idx] = sum(len(self.groups[g].layout.buckets[b].slots) for g, b in unit.buckets)
+            self._grads_left[idx] = sum(
+                len(self.groups[g].layout.buckets[b].slots) for g, b in unit.buckets if g < len(self.groups)
+            )
         self._grads_left[idx] -= 1
-        if self._grads_left[idx] == 0 and not unit.is_root:
+        if self._grads_left[idx] == 0 and not unit.held_for_step:
             self.release(unit)
 
     # ---------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
-        """Gather the root unit for a training, validation, test or predict step."""
+        """Gather the root unit (and resident units) for a training, validation, test or predict step."""
         self._cursor = 0
-        self.gather(self.units[ROOT])
+        self.running.clear()
+        for unit in self.units:
+            if unit.held_for_step:
+                self.gather(unit)
 
     def end_eval_step(self) -> None:
         for idx in list(self._gathered):
-            self.release(self.units[idx])
+            self.release(self.units[idx], force=self.units[idx].resident)
+
+    def is_gathered(self, unit: Unit) -> bool:
+        return unit.index in self._gathered
+
+    def make_resident(self, unit: Unit) -> None:
+        """A parameter of ``unit`` is read outside its forward (read_watch.py): gather it now (collective,
+        at the same point of the program on every rank) and from now on for whole steps."""
+        if not unit.resident:
+            unit.resident = True
+            self.gather(unit)
 
     def post_backward(self) -> None:
         super().post_backward()
@@ -240,7 +285,7 @@ class Stage3Engine(Stage2Engine):
             self._order_frozen = True
             self._last_pos = {u: i for i, u in enumerate(self.order)}  # backward reaches a unit's last use first
         for idx in list(self._gathered):
-            if idx != ROOT:
+            if not self.units[idx].held_for_step:
                 self.release(self.units[idx])
 
     def _refresh_shards(self) -> None:
@@ -250,9 +295,10 @@ class Stage3Engine(Stage2Engine):
 
     def _write_back(self) -> None:
         self._refresh_shards()
-        self.release(self.units[ROOT])
         for unit in self.units:
-            if unit.persistent:
+            if unit.held_for_step:
+                self.release(unit, force=True)
+            elif unit.persistent:
                 self.release(unit, force=True)
                 self.gather(unit)
 
@@ -275,7 +321,7 @@ class Stage3Engine(Stage2Engine):
             for u in units:
                 if writeback:
                     for gi, bi in u.buckets:
-                        fg = self.groups[gi]
+                        fg = self.all_groups[gi]
                         b = fg.layout.buckets[bi]
                         lo, hi = b.chunk_range(fg.shard)
                         fg.master_chunk(bi).copy_(fg.full[bi][lo - b.start : hi - b.start])
@@ -289,6 +335,19 @@ class Stage3Engine(Stage2Engine):
         """Masters were overwritten (checkpoint load): refresh the 16-bit shards and persistent units."""
         self._write_back()
 
+    def sharded_params(self) -> list[Parameter]:
+        """Every parameter this engine partitions (trainable and frozen)."""
+        return [p for fg in self.all_groups for p in fg.params]
+
+    def param_shards(self, trainable: bool = True, frozen: bool = True) -> list[Tensor]:
+        """This rank's partition of the parameters: what each gather sends (memory reports and tests)."""
+        out = []
+        if trainable:
+            out += [fg.shard16 if fg.shard16 is not None else fg.master for fg in self.groups]
+        if frozen:
+            out += [fg.master for fg in self.frozen_groups]
+        return out
+
     def install_module_hooks(self) -> None:
         """Forward pre/post hooks on every unit (again after ``remove_hooks``, for validate/test/predict)."""
         if self._module_hooks:
@@ -301,6 +360,9 @@ class Stage3Engine(Stage2Engine):
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
+        for h in self._frozen_grad_hooks:
+            h.remove()
+        self._frozen_grad_hooks = []
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
@@ -311,7 +373,7 @@ class Stage3Engine(Stage2Engine):
         from lightning_zero.zero.state_dict import gather_flat
 
         self.remove_hooks()
-        for fg in self.groups:
+        for fg in self.all_groups:
             full = gather_flat(self, fg, fg.master)
             for slot in fg.layout.slots:
                 p = fg.params[slot.index]
@@ -323,7 +385,7 @@ class Stage3Engine(Stage2Engine):
 def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
     """After training, calling a module whose parameters are released raises a clear error
     (instead of a cryptic storage-size error deep inside a matmul)."""
-    sharded = {id(p) for fg in engine.groups for p in fg.params}
+    sharded = {id(p) for p in engine.sharded_params()}
 
     def guard(module: nn.Module, args: Any) -> None:
         if any(id(p) in sharded and p.untyped_storage().nbytes() == 0 for p in module.parameters(recurse=False)):

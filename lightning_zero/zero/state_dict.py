@@ -72,11 +72,17 @@ def scatter_flat(fg: FlatParamGroup, per_param: dict[int, Tensor], dtype: torch.
     return out
 
 
+def _weight_groups(engine: ZeroEngine) -> list:
+    """Groups holding weights: the optimizer's, and stage 3's frozen partitions (no optimizer state)."""
+    return list(getattr(engine, "all_groups", engine.groups))
+
+
 @_in_host_state
 def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
-    """fp32 full value of every trainable parameter, keyed by ``id(param)`` (collective)."""
+    """Full value of every parameter the engine holds (fp32 masters; stage 3's frozen partitions in
+    their compute dtype), keyed by ``id(param)`` (collective)."""
     out: dict[int, Tensor] = {}
-    for fg in engine.groups:
+    for fg in _weight_groups(engine):
         full = gather_flat(engine, fg, fg.master)
         for slot in fg.layout.slots:
             p = fg.params[slot.index]
@@ -87,7 +93,7 @@ def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
 @_in_host_state
 def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
     """Set the fp32 masters (and the 16-bit parameters) from full values keyed by ``id(param)``."""
-    for fg in engine.groups:
+    for fg in _weight_groups(engine):
         per_param = {slot.index: values[id(fg.params[slot.index])] for slot in fg.layout.slots
                      if id(fg.params[slot.index]) in values}
         shard = scatter_flat(fg, per_param, fg.master.dtype, fg.master.device)

@@ -66,7 +66,10 @@ class MemoryProbe(pl.Callback):
         strategy = trainer.strategy
         # what the optimizer holds: the parameters under ddp, this rank's fp32 master shards under ZeRO
         # (ZeRO-3's released parameters must not be read outside a gather)
-        checksum = sum(float(p.detach().double().sum()) for opt in trainer.optimizers for g in opt.param_groups for p in g["params"])
+        engines = getattr(strategy, "engines", [])
+        held = [fg.master for e in engines for fg in e.groups] if engines else [
+            p for opt in trainer.optimizers for g in opt.param_groups for p in g["params"]]
+        checksum = sum(float(p.detach().double().sum()) for p in held)
         states = [v for opt in trainer.optimizers for st in opt.state.values() for v in st.values()]
         state_sum = sum(float(v.double().sum()) for v in states if torch.is_tensor(v) and v.dim() > 0)
         self.trace.append({

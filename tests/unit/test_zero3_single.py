@@ -84,3 +84,48 @@ def test_in_place_modification_outside_the_optimizer_is_an_error() -> None:
     model.blocks[0] = InPlaceBlock(model.blocks[0].norm.normalized_shape[0])
     with pytest.raises(RuntimeError, match="modified in place outside the optimizer"):
         _trainer().fit(model)
+
+
+class ReadsWeightInHook(ParityNet):
+    """Logs a block's weight norm in ``on_train_batch_start``: outside every step method, where no unit
+    is gathered and nothing can gather it automatically."""
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.log("w_norm", self.blocks[0].up.weight.norm())
+
+
+def test_read_outside_the_step_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError) as info:
+        _trainer().fit(ReadsWeightInHook(checkpointing=False))
+    message = str(info.value)
+    assert "not allocated yet" not in message.split("(torch:")[0]  # torch's words only as the cause
+    assert "'blocks.0.up.weight'" in message  # the parameter, by name
+    assert "on_train_batch_start" in message and "self.blocks[0].up.weight.norm()" in message  # where
+    assert "gathered_params" in message and "unit_policy" in message  # the fixes
+
+
+class ReadsOutsideUnits(ParityNet):
+    """Reads block parameters outside the blocks' forward inside training_step (an L2 penalty on one
+    block): found by the first step's ReadWatch, which keeps that unit gathered."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 1e-3 * sum(p.pow(2).sum() for p in self.blocks[0].parameters())
+
+
+def test_reads_outside_a_unit_make_it_resident_and_train_like_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model = ReadsOutsideUnits(checkpointing=False)
+    plain = ReadsOutsideUnits(checkpointing=False)
+    plain.load_state_dict(model.state_dict())
+    trainer = _trainer()
+    trainer.fit(model)
+    engine = trainer.strategy.engines[0]
+    assert [u.name for u in engine.units if u.resident] == ["blocks.0"]
+    assert not any(u.resident for u in engine.units if u.name == "blocks.1")
+    ref = Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                  limit_val_batches=1, val_check_interval=2, num_sanity_val_steps=0,
+                  strategy=ZeroStrategy(stage=0))  # one rank: plain training (stage 0 is ddp-exact elsewhere)
+    ref.fit(plain)
+    torch.testing.assert_close(torch.tensor(model.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)

@@ -1,0 +1,164 @@
+"""Finding stage-3 parameters read outside their unit's forward, without user annotation.
+
+[Note: reads outside a unit]
+A unit is gathered for its own forward only. Code that reads one of its parameters anywhere else
+(a head computing ``F.linear(h, net.emb.weight)`` with ``emb`` in a unit, a regulariser summing
+``p.pow(2)`` over all parameters in ``training_step``, a block reaching into another) would meet a
+released parameter. During the first step of each kind (training, validation, test, predict) the
+strategy runs the step under :class:`ReadWatch`, a ``TorchFunctionMode`` that sees every torch call:
+when an argument is a partitioned parameter whose unit is not running, that unit is gathered on the
+spot (the read happens at the same point of the program on every rank, so the collective matches)
+and made *resident*: from then on it is gathered with the root unit for whole steps (units.py).
+The watch covers the whole first batch of each kind (from ``batch_to_device`` to the next batch).
+Outside the step method (``on_train_batch_start``, callbacks, ``on_before_optimizer_step``) nothing
+can gather for whole steps (the step gathers after those hooks ran), so a read of a released
+parameter there raises :class:`ReleasedParameterRead`, which names the parameter, the line and the
+fixes, before torch touches the empty storage (some kernels would crash the process). After the
+first batch the watch is off (it costs a few microseconds per torch call); a read first made in a
+later step reaches torch, whose error :func:`explain_released_read` rewrites.
+"""
+
+from __future__ import annotations
+
+import linecache
+import logging
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from torch.nn import Parameter
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from lightning_zero.zero.stage3 import Stage3Engine
+    from lightning_zero.zero.units import Unit
+
+log = logging.getLogger(__name__)
+
+METADATA = frozenset({
+    "shape", "dtype", "device", "requires_grad", "requires_grad_", "is_leaf", "grad", "grad_fn", "size", "dim",
+    "ndim", "numel", "nelement", "layout", "is_cuda", "is_meta", "is_sparse", "is_quantized", "is_floating_point",
+    "is_complex", "element_size", "itemsize", "__hash__", "names", "_version", "untyped_storage", "data_ptr",
+    "register_hook", "register_post_accumulate_grad_hook", "__repr__", "__format__", "is_contiguous", "stride",
+    "storage_offset", "_base", "output_nr", "retains_grad", "_cdata", "__len__", "detach", "__get__", "__set__",
+})
+"""Tensor attributes and methods that read no values: released parameters keep these valid."""
+
+RELEASED_READ = "data is not allocated yet"
+"""What torch says when a kernel touches a storage resized to zero (a released stage-3 parameter)."""
+
+
+def _name_of(func: Callable[..., Any]) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property of Tensor: the descriptor carries the attribute name
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _params(obj: Any, out: list[Parameter]) -> None:
+    if isinstance(obj, Parameter):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _params(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _params(o, out)
+
+
+class ReleasedParameterRead(RuntimeError):
+    """A released ZeRO-3 parameter was read where it cannot be gathered automatically."""
+
+
+class ReadWatch(TorchFunctionMode):
+    """Makes units resident when their parameters are read outside their forward (see the note).
+
+    ``gathering`` is True while a step method runs (the strategy sets it); otherwise a read of a
+    released parameter raises :class:`ReleasedParameterRead`."""
+
+    def __init__(self, engines: list["Stage3Engine"]) -> None:
+        super().__init__()
+        self.gathering = False
+        self.owner: dict[int, tuple["Stage3Engine", "Unit"]] = {}
+        for engine in engines:
+            for unit in engine.units[1:]:
+                for p in unit.params:
+                    self.owner[id(p)] = (engine, unit)
+        self.found: list[str] = []
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if _name_of(func) not in METADATA:
+            found: list[Parameter] = []
+            _params(args, found)
+            _params(kwargs, found)
+            for p in found:
+                hit = self.owner.get(id(p))
+                if hit is None:
+                    continue
+                engine, unit = hit
+                if unit.resident or unit.persistent or unit.index in engine.running:
+                    continue
+                name = engine.param_names.get(id(p), "a parameter")
+                if not self.gathering:
+                    if engine.is_gathered(unit):
+                        continue
+                    raise ReleasedParameterRead(_message(f"parameter {name!r} (unit {unit.name})", _caller()))
+                self.found.append(f"{name} (unit {unit.name})")
+                log.info("lightning_zero: ZeRO-3 keeps unit %s gathered for whole steps: its parameter %s is read "
+                         "outside its forward", unit.name, name)
+                engine.make_resident(unit)
+        return func(*args, **kwargs)
+
+
+def explain_released_read(error: BaseException, released: dict[int, str]) -> Optional[str]:
+    """A clear message for torch's error on a released parameter (None for any other error).
+
+    ``released`` maps id(param) -> name of every partitioned parameter. The traceback's frames are
+    searched for one of them (a Python-level Tensor method has the parameter as ``self``), and the
+    innermost frame outside torch names the line that read it.
+    """
+    if not isinstance(error, RuntimeError) or RELEASED_READ not in str(error):
+        return None
+    names: list[str] = []
+    where = ""
+    tb: Optional[TracebackType] = error.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, Parameter) and id(value) in released and released[id(value)] not in names:
+                names.append(released[id(value)])
+        file = frame.f_code.co_filename
+        if not where and "/torch/" not in file and "/lightning/" not in file and "/lightning_zero/" not in file:
+            code = linecache.getline(file, frame.f_lineno).strip()
+            where = f"{file}:{frame.f_lineno} (in {frame.f_code.co_name}): `{code}`"
+    what = f"parameter {', '.join(repr(n) for n in names)}" if names else "a parameter partitioned by ZeRO stage 3"
+    return _message(what, where) + f" (torch: {str(error).splitlines()[0]})"
+
+
+def _caller() -> str:
+    """The innermost frame outside torch, Lightning and lightning_zero: the user's line."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if not any(part in file for part in ("/torch/", "/lightning/", "/lightning_zero/", "/lightning_utilities/")):
+            code = linecache.getline(file, frame.f_lineno).strip()
+            return f"{file}:{frame.f_lineno} (in {frame.f_code.co_name}): `{code}`"
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+def _message(what: str, where: str) -> str:
+    return (
+        f"ZeRO-3: {what} was read while its unit was released, at {where or 'an unknown place'}. Inside "
+        "training_step/validation_step/test_step/predict_step a read outside the unit's own forward is found in the "
+        "first step and that unit is then kept gathered; this read happened elsewhere (a callback or hook such as "
+        "on_train_batch_start, or only in a later step). Fix: read it inside "
+        "`with trainer.strategy.gathered_params(module):` (every rank must enter it), or choose the units yourself "
+        "so that this module is not one: ZeroStrategy(stage=3, unit_policy=[...class names...])."
+    )
+
