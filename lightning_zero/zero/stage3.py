@@ -21,7 +21,10 @@ fine-tune) are partitioned and gathered with their unit like the others, in one 
 engine) whose only shard is in the compute dtype: no fp32 master, no gradient buffer, no optimizer
 state. Their unit buckets index ``all_groups = groups + frozen_groups``; everything that steps or
 reduces loops over ``groups`` only. Several optimizers mean several engines over the same units,
-each gathering its own buckets in the same hooks.
+each gathering its own buckets in the same hooks. A unit with frozen weights cannot be released when
+its trainable gradients are in (a LoRA adapter's gradient is ready before the frozen base weight
+has computed the gradient of the unit's input): its inputs pass through an identity autograd
+function whose backward releases it, once every input gradient is computed.
 
 [Note: two process groups]
 Parameter all-gathers run on their own data-parallel group. Gradient buckets launch in bucket order
@@ -67,6 +70,32 @@ def _tensors(output: Any) -> list[Tensor]:
 
 def _drop_grad(param: Tensor) -> None:
     param.grad = None
+
+
+class _BackwardDone(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the gradients of all of them are computed."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: Tensor) -> Any:
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _after_unit_backward(args: tuple, kwargs: dict, callback: Any) -> Optional[tuple[tuple, dict]]:
+    """``args``/``kwargs`` with their grad-requiring tensors passed through :class:`_BackwardDone`."""
+    flat = list(args) + list(kwargs.values())
+    picks = [i for i, a in enumerate(flat) if isinstance(a, Tensor) and a.requires_grad]
+    if not picks:
+        return None
+    outs = _BackwardDone.apply(callback, *[flat[i] for i in picks])
+    for i, out in zip(picks, outs):
+        flat[i] = out
+    return tuple(flat[: len(args)]), dict(zip(kwargs.keys(), flat[len(args) :]))
 
 
 class Stage3Engine(Stage2Engine):
@@ -201,10 +230,12 @@ class Stage3Engine(Stage2Engine):
 
     # ---------------------------------------------------------------- hooks
     def _make_pre_forward(self, unit: Unit):
-        def hook(module: nn.Module, args: Any) -> None:
+        has_frozen = any(gi >= len(self.groups) for gi, _ in unit.buckets)
+
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if _in_backward():  # recomputation under activation checkpointing
                 self.gather(unit)
-                return
+                return None
             if not self._order_frozen and torch.is_grad_enabled():
                 self.order.append(unit.index)
             self.running.add(unit.index)
@@ -214,8 +245,16 @@ class Stage3Engine(Stage2Engine):
                 if pos < len(self.order) and self.order[pos] == unit.index:
                     self._cursor += 1
                     self._prefetch(self.order[pos + 1 : pos + 1 + self.prefetch_units])
+            if has_frozen and torch.is_grad_enabled():  # see [Note: frozen parameters]
+                return _after_unit_backward(args, kwargs, lambda: self._unit_backward_done(unit))
+            return None
 
         return hook
+
+    def _unit_backward_done(self, unit: Unit) -> None:
+        """The gradients of a unit's inputs are computed: its backward no longer needs its weights."""
+        if not unit.held_for_step:
+            self.release(unit)
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -252,8 +291,9 @@ class Stage3Engine(Stage2Engine):
                 len(self.groups[g].layout.buckets[b].slots) for g, b in unit.buckets if g < len(self.groups)
             )
         self._grads_left[idx] -= 1
-        if self._grads_left[idx] == 0 and not unit.held_for_step:
-            self.release(unit)
+        frozen_inside = any(g >= len(self.groups) for g, _ in unit.buckets)
+        if self._grads_left[idx] == 0 and not unit.held_for_step and not frozen_inside:
+            self.release(unit)  # units holding frozen weights: released by _unit_backward_done
 
     # ---------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
@@ -355,7 +395,9 @@ class Stage3Engine(Stage2Engine):
         for unit in self.units[1:]:
             assert unit.module is not None
             if unit.buckets:
-                self._module_hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+                self._module_hooks.append(
+                    unit.module.register_forward_pre_hook(self._make_pre_forward(unit), with_kwargs=True)
+                )
                 self._module_hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
 
     def remove_hooks(self) -> None:
