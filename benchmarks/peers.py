@@ -185,13 +185,13 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             continue
 
 
-def reap_workers(pid_file: Path) -> list[int]:
+def reap_workers(pid_file: Path, worker_name: str = WORKER.name) -> list[int]:
     """SIGKILL any worker of ours still alive after its launcher ended; returns the pids killed.
 
     torchrun starts each worker in a session of its own, so a worker hung in a collective survives
     its launcher's death, and on the GPU machine it would hold GPU memory through every later
     configuration. Workers write their pid to ``pid_file``; each is checked to still be a
-    ``peers_worker.py`` before it is killed (no pid reuse accidents).
+    ``peers_worker.py`` (``worker_name``) before it is killed (no pid reuse accidents).
     """
     killed: list[int] = []
     if not pid_file.is_file():
@@ -202,7 +202,7 @@ def reap_workers(pid_file: Path) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if WORKER.name.encode() in cmdline:
+        if worker_name.encode() in cmdline:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)

@@ -17,7 +17,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence, Union
 
 GIB = float(2**30)
 
@@ -49,7 +49,8 @@ class Target:
     """'tokens' (config >= factor x reference) or 'memory' (config <= factor x reference)."""
     reference: str
     factor: float
-    issue: int
+    issue: Union[int, str]
+    """The issue's number (rendered '#N'), or a short label of where the target comes from."""
 
 
 TARGETS: tuple[Target, ...] = (
@@ -263,11 +264,13 @@ def render_table(rows: list[Row], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def check_targets(rows: list[Row], gpus: int) -> list[tuple[Target, str, str]]:
+def check_targets(
+    rows: list[Row], gpus: int, targets: Sequence[Target] = TARGETS
+) -> list[tuple[Target, str, str]]:
     """(target, measured, verdict) for the issues' targets at this GPU count (N > 2 uses the 2-GPU ones)."""
     by_name = {r.config: r for r in rows}
     out: list[tuple[Target, str, str]] = []
-    for t in TARGETS:
+    for t in targets:
         if t.gpus != min(gpus, 2) or t.config not in by_name or t.reference not in by_name:
             continue
         a, b = by_name[t.config], by_name[t.reference]
@@ -287,15 +290,16 @@ def check_targets(rows: list[Row], gpus: int) -> list[tuple[Target, str, str]]:
     return out
 
 
-def render_targets(rows: list[Row], gpus: int) -> str:
-    checks = check_targets(rows, gpus)
+def render_targets(rows: list[Row], gpus: int, targets: Sequence[Target] = TARGETS) -> str:
+    checks = check_targets(rows, gpus, targets)
     if not checks:
         return ""
     lines = ["| target (issue) | measured | verdict |", "|---|---|---|"]
     for t, measured, verdict in checks:
         rel = "≥" if t.metric == "tokens" else "≤"
         what = "tokens/s" if t.metric == "tokens" else "peak memory"
-        lines.append(f"| `{t.config}` {what} {rel} {t.factor:.2f} × `{t.reference}` (#{t.issue}) | {measured} | {verdict} |")
+        issue = f"#{t.issue}" if isinstance(t.issue, int) else t.issue
+        lines.append(f"| `{t.config}` {what} {rel} {t.factor:.2f} × `{t.reference}` ({issue}) | {measured} | {verdict} |")
     return "\n".join(lines)
 
 

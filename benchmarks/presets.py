@@ -9,7 +9,7 @@ installed. The YAML files stay the one place the model shapes are written.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -108,7 +108,109 @@ def baseline(gpus: int) -> str:
     return BASELINE[1 if gpus == 1 else 2]
 
 
+# ---------------------------------------------------------------------------------------------------- LoRA benchmark
+
+LLAMA_PRESETS: dict[str, dict[str, int]] = {
+    "llama_8b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "vocab_size": 128256, "seq_len": 2048,
+    },
+    "llama_tiny": {
+        "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1024, "seq_len": 256,
+    },
+}
+"""Llama-style shapes of ``benchmarks/lora.py`` (``transformers.LlamaConfig`` fields, untied head, plus the
+sequence length trained on). ``llama_8b`` is Llama-3-8B's shape (8.03 G parameters); ``llama_tiny`` is a
+CPU smoke-test model. Random weights: nothing is downloaded."""
+
+LLAMA_ALIASES = {"8b": "llama_8b", "tiny": "llama_tiny"}
+"""Short names accepted by ``lora.py --model``."""
+
+LORA: dict[str, Any] = {
+    "r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+    "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+"""``peft.LoraConfig`` of the LoRA benchmark: rank 16 on every attention and MLP projection."""
+
+LORA_PEERS: dict[str, str] = {
+    "zero3": "lightning_zero",
+    "fsdp": "lightning",
+    "fsdp_mixed": "lightning",
+    "deepspeed_stage_3": "deepspeed",
+    "fsdp_peft": "lightning",
+    "ddp": "lightning",
+}
+"""Configurations of ``lora.py`` -> family (as :data:`PEERS`), in the default order: ours, the two FSDP
+variants of Lightning's fine-tuning setup, DeepSpeed, then the extras (FSDP wrapped by peft's own policy,
+and ``ddp`` as a reference row), which the time budget cuts first. ``lora_worker.CONFIGS`` says how each
+is built."""
+
+LORA_PRECISION: dict[str, str] = {
+    "zero3": "bf16-mixed",
+    "fsdp": "bf16-true",
+    "fsdp_mixed": "bf16-mixed",
+    "deepspeed_stage_3": "bf16-mixed",
+    "fsdp_peft": "bf16-true",
+    "ddp": "bf16-true",
+}
+"""Lightning ``precision`` of each LoRA configuration."""
+
+LORA_BASELINE = "fsdp"
+"""The configuration the LoRA table's ratio column divides by when no FSDP variant ran (otherwise the
+fastest FSDP variant, "the fsdp peer")."""
+
+LORA_FSDP_VARIANTS = ("fsdp", "fsdp_mixed", "fsdp_peft")
+"""The FSDP configurations of the LoRA benchmark: the fastest that ran is "the fsdp peer"."""
+
+
+def llama_preset(name: str, layers: Optional[int] = None, seq_len: Optional[int] = None) -> tuple[str, dict[str, int]]:
+    """(preset name, its fields) with the depth and sequence length overridden where given."""
+    key = LLAMA_ALIASES.get(name, name)
+    if key not in LLAMA_PRESETS:
+        raise ValueError(f"Unknown Llama preset {name!r}; valid choices are {sorted(LLAMA_PRESETS) + sorted(LLAMA_ALIASES)}.")
+    dims = dict(LLAMA_PRESETS[key])
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    if seq_len is not None:
+        dims["seq_len"] = seq_len
+    return key, dims
+
+
+def llama_lora_counts(dims: dict[str, int], lora: Optional[dict[str, Any]] = None) -> dict[str, float]:
+    """Parameters (total, LoRA-trainable, frozen matmul) and training FLOPs per token of a LoRA'd Llama.
+
+    FLOPs: the frozen matmuls cost 4 per parameter and token (forward, and the input gradient in
+    backward; their weight gradient is not needed), the LoRA matmuls 6, attention scores and values
+    12 * layers * hidden * seq (as ``examples/gpt.py``'s ``flops_per_token``). Recomputation under
+    activation checkpointing, and weight gradients a strategy computes for frozen weights anyway, are
+    not counted: MFU measures useful work.
+    """
+    lora = LORA if lora is None else lora
+    d, ff, n_layer = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+    kv = dims["num_key_value_heads"] * (d // dims["num_attention_heads"])
+    vocab, r = dims["vocab_size"], int(lora["r"])
+    shapes = {  # (in, out) of every projection LoRA may target
+        "q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+        "gate_proj": (d, ff), "up_proj": (d, ff), "down_proj": (ff, d),
+    }
+    layer_matmul = sum(i * o for i, o in shapes.values())
+    layer_lora = sum(r * (i + o) for name, (i, o) in shapes.items() if name in lora["target_modules"])
+    frozen_matmul = n_layer * layer_matmul + vocab * d  # + the untied LM head
+    frozen = frozen_matmul + vocab * d + n_layer * 2 * d + d  # + embedding and RMSNorm weights
+    trainable = n_layer * layer_lora
+    attention = 12.0 * n_layer * d * dims["seq_len"]
+    return {
+        "total": float(frozen + trainable),
+        "trainable": float(trainable),
+        "frozen_matmul": float(frozen_matmul),
+        "flops_per_token": 4.0 * frozen_matmul + 6.0 * trainable + attention,
+    }
+
+
 __all__ = [
     "model_preset", "model_label", "resolve_model", "MODEL_DIR", "ALIASES",
     "PEERS", "DEFAULT_PEERS", "BASELINE", "default_peers", "baseline",
+    "LLAMA_PRESETS", "LLAMA_ALIASES", "LORA", "LORA_PEERS", "LORA_PRECISION", "LORA_BASELINE", "LORA_FSDP_VARIANTS",
+    "llama_preset", "llama_lora_counts",
 ]

@@ -10,6 +10,10 @@
 #   peers2    benchmarks/peers.py --gpus 2 (ddp, zero1/2/3, fsdp, deepspeed_stage_2/3); needs 2 GPUs
 #   peers2prof benchmarks/peers.py --gpus 2 --profile (ddp, zero2, zero3, fsdp; 3 warm-up + 8 timed steps,
 #             then 3 profiled ones): adds the exposed / total communication column; needs 2 GPUs, ~3 min
+#   lora      benchmarks/lora.py --gpus 2: LoRA r=16 on a frozen random-weight Llama-3-8B-shaped model, seq 2048,
+#             micro-batch 2 per GPU (zero3, fsdp, fsdp_mixed, deepspeed_stage_3, ddp; each in its own torchrun);
+#             needs 2 GPUs; budget min(section limit - 60 s, 480 s), so `LZ_BUDGET_S=540 bash benchmarks/run_gpu.sh lora`
+#             ends within 9 minutes; DeepSpeed comes from the carried .whl/
 #   onebit    torchrun 2 procs benchmarks/onebit.py   (skipped while that file does not exist)
 #   pipeline  torchrun 2 procs benchmarks/pipeline.py (skipped while that file does not exist)
 #   offload   benchmarks/offload.py once per '|'-separated argument list in OFFLOAD_RUNS (default: the
@@ -28,7 +32,8 @@
 # tool's command limit is 600 s; sections that would overrun are cut, peers.py then skips the
 # configurations that no longer fit and still prints its table), PEERS_ARGS (extra peers.py
 # arguments, e.g. "--configs zero2,zero3 --steps 20"), PEERS_PROF_ARGS (extra/overriding arguments of
-# peers2prof), ONEBIT_ARGS, PIPELINE_ARGS.
+# peers2prof), LORA_ARGS (extra/overriding lora.py arguments, e.g. "--act-ckpt" or "--configs zero3,fsdp"),
+# ONEBIT_ARGS, PIPELINE_ARGS.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -97,6 +102,12 @@ section_peers2prof() {  # at most 240 s: 4 configurations of ~25-35 s each, plus
     --write-results --out-dir "$WORK/peers2prof" --config-timeout-s 120 --budget-s "$budget" ${PEERS_PROF_ARGS:-}
 }
 
+section_lora() {  # the whole 8B LoRA comparison; 60 s kept for a hung configuration's kill (peers.py: up to 50 s)
+  local budget=$(( SECTION_LIMIT - 60 < 480 ? SECTION_LIMIT - 60 : 480 ))
+  # shellcheck disable=SC2086
+  python3 benchmarks/lora.py --gpus 2 --write-results --out-dir "$WORK/lora" --budget-s "$budget" ${LORA_ARGS:-}
+}
+
 _torchrun2() {  # $1 = script, rest = its arguments
   local script=$1; shift
   if [[ ! -f $script ]]; then echo "$script missing: skipped"; return 0; fi
@@ -119,20 +130,20 @@ section_offload() {
 section_onebit() { _torchrun2 benchmarks/onebit.py ${ONEBIT_ARGS:-}; }
 section_pipeline() { _torchrun2 benchmarks/pipeline.py ${PIPELINE_ARGS:-}; }
 
-export -f section_offload section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof _torchrun2 section_onebit section_pipeline
+export -f section_offload section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof section_lora _torchrun2 section_onebit section_pipeline
 
 STATUS=()
 run_section() {
   local name=$1 limit
   limit=$(( $(left) - 10 ))
   if ! declare -F "section_$name" > /dev/null; then
-    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof onebit pipeline offload)"); return
+    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof lora onebit pipeline offload)"); return
   fi
   if (( limit < 30 )); then
     echo "=== $name: skipped, $(left) s of the ${BUDGET} s budget left" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (budget)"); return
   fi
-  if [[ $name == peers2 || $name == peers2prof || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
+  if [[ $name == peers2 || $name == peers2prof || $name == lora || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
     echo "=== $name: skipped, needs 2 GPUs, this machine has $NGPUS" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (needs 2 GPUs)"); return
   fi
