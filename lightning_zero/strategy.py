@@ -204,7 +204,7 @@ class ZeroStrategy(ParallelStrategy):
         if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
             self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
         group = self.dims.dp_group if self.dims is not None else None
-        self._buffer_sync = BufferSync(self.model, group, self.root_device)
+        self._buffer_sync = BufferSync(self.model, group)
         self._watched = set()
 
     @contextmanager

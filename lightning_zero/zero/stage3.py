@@ -138,6 +138,8 @@ class Stage3Engine(Stage2Engine):
             for gi, bi in unit.buckets:
                 self.all_groups[gi].adopt(bi)
             unit.persistent = not unit.is_root and unit.numel <= threshold
+        self._frozen_units = {u.index for u in self.units if any(gi >= len(self.groups) for gi, _ in u.buckets)}
+        """Units holding frozen weights: released after their input gradients, not their own ([Note: frozen ...])."""
         self._frozen_grad_hooks = [  # trainable but in no optimizer: never stepped, so its gradient is dropped
             p.register_post_accumulate_grad_hook(_drop_grad) for p in frozen if p.requires_grad
         ]
@@ -230,8 +232,6 @@ class Stage3Engine(Stage2Engine):
 
     # ---------------------------------------------------------------- hooks
     def _make_pre_forward(self, unit: Unit):
-        has_frozen = any(gi >= len(self.groups) for gi, _ in unit.buckets)
-
         def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if _in_backward():  # recomputation under activation checkpointing
                 self.gather(unit)
@@ -245,7 +245,7 @@ class Stage3Engine(Stage2Engine):
                 if pos < len(self.order) and self.order[pos] == unit.index:
                     self._cursor += 1
                     self._prefetch(self.order[pos + 1 : pos + 1 + self.prefetch_units])
-            if has_frozen and torch.is_grad_enabled():  # see [Note: frozen parameters]
+            if unit.index in self._frozen_units and torch.is_grad_enabled():  # see [Note: frozen parameters]
                 return _after_unit_backward(args, kwargs, lambda: self._unit_backward_done(unit))
             return None
 
@@ -291,8 +291,7 @@ class Stage3Engine(Stage2Engine):
                 len(self.groups[g].layout.buckets[b].slots) for g, b in unit.buckets if g < len(self.groups)
             )
         self._grads_left[idx] -= 1
-        frozen_inside = any(g >= len(self.groups) for g, _ in unit.buckets)
-        if self._grads_left[idx] == 0 and not unit.held_for_step and not frozen_inside:
+        if self._grads_left[idx] == 0 and not unit.held_for_step and idx not in self._frozen_units:
             self.release(unit)  # units holding frozen weights: released by _unit_backward_done
 
     # ---------------------------------------------------------------- step boundaries
@@ -404,6 +403,8 @@ class Stage3Engine(Stage2Engine):
         super().remove_hooks()
         for h in self._frozen_grad_hooks:
             h.remove()
+        self._frozen_units = {u.index for u in self.units if any(gi >= len(self.groups) for gi, _ in u.buckets)}
+        """Units holding frozen weights: released after their input gradients, not their own ([Note: frozen ...])."""
         self._frozen_grad_hooks = []
         for h in self._module_hooks:
             h.remove()
