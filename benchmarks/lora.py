@@ -51,9 +51,7 @@ import argparse
 import datetime as dt
 import importlib.util
 import json
-import os
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -63,9 +61,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from peers import _note, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_child  # noqa: E402
+from peers import (  # noqa: E402
+    _note, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
+)
 from peers_report import (  # noqa: E402
-    GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line, append_section,
+    GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line,
     build_row, meta_record, read_records, render_targets,
 )
 from presets import (  # noqa: E402
@@ -359,37 +359,8 @@ def meta(args: argparse.Namespace, command: str) -> dict[str, Any]:
     }
 
 
-def finish(records_path: Path, args: argparse.Namespace, out_dir: Optional[Path]) -> str:
-    section = render_section(read_records(records_path))
-    print("\n" + section)
-    if out_dir is not None:
-        (out_dir / "table.md").write_text(section)
-    if args.write_results:
-        append_section(args.results_md, section)
-        print(f"appended to {args.results_md}")
-    return section
-
-
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    if args.from_results is not None:
-        finish(args.from_results, args, None)
-        return 0
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or REPO / "runs" / "lora" / f"{stamp}-{args.gpus}{'gpu' if args.device == 'cuda' else 'cpu'}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = out_dir / "results.jsonl"
-    results.unlink(missing_ok=True)
-    command = shlex.join(["python3", os.path.relpath(sys.argv[0], REPO) if argv is None else "benchmarks/lora.py",
-                          *(sys.argv[1:] if argv is None else argv)])
-    with results.open("a") as fh:
-        fh.write(json.dumps(meta(args, command)) + "\n")
-    deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    print(f"lora: {args.config_names} on {args.gpus} {args.device} device(s); results in {out_dir}")
-    for config in args.config_names:
-        run_config(args, config, results, out_dir, deadline)
-    finish(results, args, out_dir)
-    return 0
+    return run_benchmark(parse_args(argv), argv, "lora", meta, run_config, render_section)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -332,8 +332,9 @@ def meta(args: argparse.Namespace, command: str) -> dict[str, object]:
     }
 
 
-def finish(records_path: Path, args: argparse.Namespace, out_dir: Optional[Path]) -> str:
-    section = render_section(read_records(records_path))
+def finish(records_path: Path, args: argparse.Namespace, out_dir: Optional[Path],
+           render: Callable[[list[dict]], str] = render_section) -> str:
+    section = render(read_records(records_path))
     print("\n" + section)
     if out_dir is not None:
         (out_dir / "table.md").write_text(section)
@@ -343,26 +344,33 @@ def finish(records_path: Path, args: argparse.Namespace, out_dir: Optional[Path]
     return section
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
+def run_benchmark(args: argparse.Namespace, argv: Optional[list[str]], name: str,
+                  meta_fn: Callable[[argparse.Namespace, str], dict], run_one: Callable[..., None],
+                  render: Callable[[list[dict]], str] = render_section) -> int:
+    """The whole run of a peer benchmark (this one, lora.py): one configuration after another into
+    ``runs/<name>/<stamp>/results.jsonl``, then the table (and RESULTS.md with ``--write-results``)."""
     if args.from_results is not None:
-        finish(args.from_results, args, None)
+        finish(args.from_results, args, None, render)
         return 0
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = args.out_dir or REPO / "runs" / "peers" / f"{stamp}-{args.gpus}{'gpu' if args.device == 'cuda' else 'cpu'}"
+    out_dir = args.out_dir or REPO / "runs" / name / f"{stamp}-{args.gpus}{'gpu' if args.device == 'cuda' else 'cpu'}"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = out_dir / "results.jsonl"
     results.unlink(missing_ok=True)
-    command = shlex.join(["python3", os.path.relpath(sys.argv[0], REPO) if argv is None else "benchmarks/peers.py",
+    command = shlex.join(["python3", os.path.relpath(sys.argv[0], REPO) if argv is None else f"benchmarks/{name}.py",
                           *(sys.argv[1:] if argv is None else argv)])
     with results.open("a") as fh:
-        fh.write(json.dumps(meta(args, command)) + "\n")
+        fh.write(json.dumps(meta_fn(args, command)) + "\n")
     deadline = None if args.budget_s is None else time.monotonic() + args.budget_s
-    print(f"peers: {args.config_names} on {args.gpus} {args.device} device(s); results in {out_dir}")
+    print(f"{name}: {args.config_names} on {args.gpus} {args.device} device(s); results in {out_dir}")
     for config in args.config_names:
-        run_config(args, config, results, out_dir, deadline)
-    finish(results, args, out_dir)
+        run_one(args, config, results, out_dir, deadline)
+    finish(results, args, out_dir, render)
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_benchmark(parse_args(argv), argv, "peers", meta, run_config)
 
 
 if __name__ == "__main__":
