@@ -357,11 +357,12 @@ class ZeroStrategy(ParallelStrategy):
                 **({"frozen_params": frozen} if i == 0 and frozen else {}),
             )
             self._engines[id(opt)] = engine
-            opt.zero_grad = engine.zero_grad  # type: ignore[method-assign]  # engine.py [Note: the optimizer keeps ...]
-        for lopt in self._lightning_optimizers:
-            engine = self._engines.get(id(lopt.optimizer))
-            if engine is not None:
-                lopt.zero_grad = engine.zero_grad  # type: ignore[method-assign]
+        if self._pipeline is None:  # pipeline stages run backward inside training_step, before Lightning's
+            # zero_grad (which comes between training_step and backward): it must not discard their gradients
+            for opt in [*self.optimizers, *self._lightning_optimizers]:
+                engine = self._engines.get(id(getattr(opt, "_optimizer", opt)))
+                if engine is not None:  # engine.py [Note: the optimizer keeps the model's parameters]
+                    opt.zero_grad = engine.zero_grad  # type: ignore[method-assign]
 
     def _broadcast_module_states(self) -> None:
         """Make every replica start from rank 0's weights and buffers (as DDP does at wrap time)."""
@@ -565,7 +566,8 @@ class ZeroStrategy(ParallelStrategy):
         engine = self._engines.get(id(optimizer))
         if engine is None:
             return optimizer.state_dict()
-        state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
+        with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
+            state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
         return self._pipeline.gather_optimizer_state(state) if self._pipeline is not None else state
 
     @override
@@ -579,7 +581,8 @@ class ZeroStrategy(ParallelStrategy):
                 opt.load_state_dict(state)
             else:
                 zsd.load_optimizer_state(engine, state)
-                compressed_comm.restore_comm_state(opt, state)
+                with engine.masters_in_optimizer():
+                    compressed_comm.restore_comm_state(opt, state)
 
     # ------------------------------------------------------------------ teardown / registry
     @override
