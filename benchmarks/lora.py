@@ -62,7 +62,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    _note, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
+    _note, add_runner_args, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
 )
 from peers_report import (  # noqa: E402
     GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line,
@@ -113,14 +113,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     p.add_argument("--act-ckpt", action="store_true", help="HF gradient checkpointing for every configuration")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode with gloo")
-    p.add_argument("--config-timeout-s", type=float, default=200.0, help="kill a configuration after this long")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
-    p.add_argument("--min-config-s", type=float, default=60.0, help="don't start a configuration with less left")
-    p.add_argument("--out-dir", type=Path, default=None, help="results.jsonl, per-config logs, table.md")
-    p.add_argument("--write-results", action="store_true", help="append a dated section to --results-md")
-    p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    p.add_argument("--from-results", type=Path, default=None, help="only re-render the table of a results.jsonl")
+    add_runner_args(p, config_timeout_s=200.0, min_config_s=60.0)
     args = p.parse_args(argv)
     if args.gpus < 1 or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
         p.error("--gpus, --steps and --micro-batch must be >= 1 and --warmup >= 0")

@@ -67,6 +67,18 @@ ERROR_LINE = re.compile(r"\b([A-Za-z_.]*(Error|Exception|Interrupt)\b:?.*)")
 # ---------------------------------------------------------------------------------------------------- arguments
 
 
+def add_runner_args(p: argparse.ArgumentParser, config_timeout_s: float, min_config_s: float) -> None:
+    """The options every peer benchmark's run loop (:func:`run_benchmark`) reads."""
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode with gloo")
+    p.add_argument("--config-timeout-s", type=float, default=config_timeout_s, help="kill a configuration after this long")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
+    p.add_argument("--min-config-s", type=float, default=min_config_s, help="don't start a configuration with less left")
+    p.add_argument("--out-dir", type=Path, default=None, help="results.jsonl, per-config logs, table.md")
+    p.add_argument("--write-results", action="store_true", help="append a dated section to --results-md")
+    p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
+    p.add_argument("--from-results", type=Path, default=None, help="only re-render the table of a results.jsonl")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=1, help="GPUs (CPU processes with --device cpu) per configuration")
@@ -75,14 +87,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8, help="samples per GPU per step")
     p.add_argument("--steps", type=int, default=15, help="timed steps")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode with gloo")
-    p.add_argument("--config-timeout-s", type=float, default=180.0, help="kill a configuration after this long")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
-    p.add_argument("--min-config-s", type=float, default=40.0, help="don't start a configuration with less left")
-    p.add_argument("--out-dir", type=Path, default=None, help="results.jsonl, per-config logs, table.md")
-    p.add_argument("--write-results", action="store_true", help="append a dated section to --results-md")
-    p.add_argument("--results-md", type=Path, default=HERE / "RESULTS.md")
-    p.add_argument("--from-results", type=Path, default=None, help="only re-render the table of a results.jsonl")
+    add_runner_args(p, config_timeout_s=180.0, min_config_s=40.0)
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile 3 more (torch.profiler) and add the exposed communication "
                         "fraction to the table (off by default: the timed steps are the same either way)")
