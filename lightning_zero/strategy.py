@@ -5,14 +5,14 @@ Reading order of one fit: ``setup_environment`` (process groups, via :class:`Par
 optimizer, the rest of the module cast to the compute dtype) -> per batch: ``backward`` (engine hooks
 reduce buckets) -> ``post_backward`` (engines finish reducing) -> ``optimizer_step`` (closure,
 Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
-``zero/state_dict.py`` -> ``teardown``.
+``checkpoint/strategy_io.py`` -> ``teardown``.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_zero.checkpoint.strategy_io import CheckpointMixin
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
@@ -38,7 +39,6 @@ from lightning_zero.offload.engine import OffloadSettings, offload_engine
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
-from lightning_zero.zero import state_dict as zsd
 from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
 from lightning_zero.zero.engine import ZeroEngine
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
 
     Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error
@@ -167,6 +167,7 @@ class ZeroStrategy(ParallelStrategy):
 
             _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout_s))
         self.dims.build_groups(self.config.timeout_s)
+        self._setup_checkpointer()
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
         if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
             self._pipeline.place(self.lightning_module)
@@ -304,8 +305,13 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Torch's error on a released ZeRO-3 parameter becomes one that says where and what to do."""
+        """Torch's error on a released ZeRO-3 parameter becomes one that says where and what to do;
+        an async checkpoint save still writing is finished first (nothing on disk is lost)."""
         self._end_watch()
+        try:
+            self.wait_for_checkpoint()
+        except Exception as e:  # the training error is the one to report; this one is logged
+            log.error("the asynchronous checkpoint save failed too: %s", e)
         released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
         message = explain_released_read(exception, released) if released else None
         if message is not None:
@@ -514,80 +520,11 @@ class ZeroStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full fp32 weights by name, loadable by the plain model (every rank must call this)."""
-        module = self.lightning_module
-        assert module is not None
-        state = module.state_dict()
-        masters: dict[int, Tensor] = {}
-        for engine in self._engines.values():
-            masters.update(zsd.full_master_params(engine))
-        keyed = {k: masters[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in masters}
-        out = {}
-        for k, v in state.items():
-            value = keyed.get(k, v)
-            want = self._orig_dtypes.get(k)
-            if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:
-                raise RuntimeError(f"'{k}' is a released ZeRO-3 parameter that no engine holds a partition of.")
-            if torch.is_tensor(value) and want is not None and value.dtype != want:
-                value = value.to(want)
-            out[k] = value.detach().cpu() if torch.is_tensor(value) else value
-        return self._pipeline.merge_state_dict(out) if self._pipeline is not None else out
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        module = self.lightning_module
-        assert module is not None
-        sd = checkpoint["state_dict"]
-        sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}
-        if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
-            names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
-            missing = [k for k in names if k not in sd]
-            if strict and missing:
-                raise KeyError(f"Checkpoint lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
-            result = module.load_state_dict({k: v for k, v in sd.items() if k not in names}, strict=False)
-            if strict and [k for k in result.missing_keys if k not in names] + list(result.unexpected_keys):
-                raise KeyError(f"State dict mismatch: {result}")
-        else:
-            module.load_state_dict(sd, strict=strict)
-        if not self._engines:
-            return
-        values = {}
-        for k, v in module.state_dict(keep_vars=True).items():
-            if k in sd:
-                values[id(v)] = sd[k].to(torch.float32)  # stays on the host: shards are sliced out of it
-        for engine in self._engines.values():
-            zsd.load_master_params(engine, values)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        engine = self._engines.get(id(optimizer))
-        if engine is None:
-            return optimizer.state_dict()
-        with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
-            state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
-        return self._pipeline.gather_optimizer_state(state) if self._pipeline is not None else state
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        saved = checkpoint["optimizer_states"]
-        for opt, state in zip(self.optimizers, saved):
-            if self._pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
-                state = self._pipeline.local_optimizer_state(state)
-            engine = self._engines.get(id(opt))
-            if engine is None:
-                opt.load_state_dict(state)
-            else:
-                zsd.load_optimizer_state(engine, state)
-                with engine.masters_in_optimizer():
-                    compressed_comm.restore_comm_state(opt, state)
-
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
         self._end_watch()
+        self.wait_for_checkpoint()  # an async save still writing: the fit ends when it is on disk
         for engine in self._engines.values():
             engine.teardown()  # offload: finish a delayed step, release swap files
             engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards

@@ -60,6 +60,25 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None) -> Option
     return dist.new_group(list(ranks), **kwargs)
 
 
+def new_gloo_group(timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:
+    """A gloo group over every rank (collective: every rank calls it). Checkpoint I/O runs its
+    collectives here: on the CPU, and in a background thread (async save) without interleaving with
+    the training's own collectives on the default group."""
+    if not is_initialized():
+        return None
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    return dist.new_group(list(range(dist.get_world_size())), backend="gloo", **kwargs)
+
+
+def all_gather_object(obj: object, group: Optional[ProcessGroup]) -> list[object]:
+    """Every rank's ``obj``, in group-rank order (pickled: small objects only)."""
+    if _single(group):
+        return [obj]
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def _single(group: Optional[ProcessGroup]) -> bool:
     return not is_initialized() or dist.get_world_size(group) == 1
 

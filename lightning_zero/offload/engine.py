@@ -526,6 +526,14 @@ def _resident_bytes(store: Any) -> float:
 class FlatOffloadMixin(OffloadMixin):
     """Stages 1-2: after the CPU step, upload this rank's chunks and all-gather the full parameters."""
 
+    def after_master_load(self) -> None:
+        for gi, fg in enumerate(self.groups):  # the 16-bit upload buffers come from the loaded masters
+            out = self._upload_buffer(gi, self._upload_from)
+            if out is not None:
+                out.copy_(fg.master)
+        self._upload_pending = True
+        self._write_back()
+
     def _write_back(self) -> None:
         if not self._upload_pending:
             return

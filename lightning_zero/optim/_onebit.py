@@ -360,12 +360,17 @@ class OneBitOptimizer(torch.optim.Optimizer):
             self._loaded_errors = {int(k): (w, s) for k, (w, s) in mine.items()}
             self._reset_reason = "their saved layout does not match this run"
 
+    def local_comm_state(self) -> dict[str, Any]:
+        """This rank's error buffers (host copies) and the statistics, without any collective: what a
+        sharded checkpoint stores per rank, and :meth:`load_comm_state` reads back."""
+        rank = self._backend.rank if self._backend is not None else 0
+        local = {i: (e.worker.detach().cpu().clone(), e.server.detach().cpu().clone()) for i, e in self._errors.items()}
+        return self._comm_state({rank: local} if self.checkpoint_errors and local else None)
+
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus this rank's communication state (see :meth:`gather_comm_state`)."""
         sd = super().state_dict()
-        rank = self._backend.rank if self._backend is not None else 0
-        local = {i: (e.worker.detach().cpu().clone(), e.server.detach().cpu().clone()) for i, e in self._errors.items()}
-        sd[COMM_STATE_KEY] = self._comm_state({rank: local} if self.checkpoint_errors and local else None)
+        sd[COMM_STATE_KEY] = self.local_comm_state()
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

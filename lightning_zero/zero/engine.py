@@ -343,6 +343,11 @@ class ZeroEngine:
         for fg in self.groups:
             fg.master.grad = None
 
+    def after_master_load(self) -> None:
+        """Masters were overwritten (checkpoint load): the 16-bit parameters follow them (stages 1-2
+        all-gather them from the masters' shards)."""
+        self._write_back()
+
     @contextmanager
     def host_state(self) -> Generator[None, None, None]:
         """Masters and optimizer state readable and writable inside the block. A no-op here; NVMe

@@ -37,6 +37,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "fp16": "zero2:precision=16-mixed,inject=3,hysteresis=1,steps=8,clip=0",
         "bf16": "zero2:precision=bf16-mixed,steps=30",
         "resume": "zero2:n_train=160,steps=20,resume=1",
+        "resume_full": "zero2:n_train=160,steps=20,resume=1,ckpt=full",
     })
     return run_worker(tmp_path_factory.mktemp("zero2ranks"), 2, runs, timeout=1200)
 
@@ -92,8 +93,9 @@ def test_gradients_are_partitioned_in_stage2(two_ranks: dict[str, dict]) -> None
     assert all(b >= ddp for b in z1)  # stage 1 keeps full gradients until they are reduced
 
 
-def test_resume_continues_like_an_uninterrupted_run(two_ranks: dict[str, dict]) -> None:
-    run = two_ranks["resume"]
+@pytest.mark.parametrize("name", ["resume", "resume_full"])
+def test_resume_continues_like_an_uninterrupted_run(two_ranks: dict[str, dict], name: str) -> None:
+    run = two_ranks[name]
     assert len(run["resumed_losses"]) == 20
     assert _rel(run["resumed_losses"], run["losses"][-20:]) < 1e-6
 
@@ -124,13 +126,21 @@ def test_fp16_overflow_skips_the_step_everywhere(two_ranks: dict[str, dict]) -> 
         assert r["losses"] and all(math.isfinite(x) for x in r["losses"])
 
 
-def test_checkpoint_loads_into_a_plain_model_and_optimizer(two_ranks: dict[str, dict]) -> None:
+@pytest.mark.parametrize("run", ["resume", "resume_full"])
+def test_checkpoint_loads_into_a_plain_model_and_optimizer(two_ranks: dict[str, dict], run: str,
+                                                           tmp_path: Path) -> None:
+    """Sharded (the default: a directory, consolidated to one file) and full checkpoints both end up
+    readable by Lightning's own loader and a plain torch optimizer."""
+    from lightning_zero.checkpoint import consolidate, is_sharded_checkpoint
     from tests.helpers.parity_model import ParityNet
 
-    ckpt = Path(two_ranks["resume"]["ckpt_dir"]) / "epoch=1-step=20.ckpt"
+    ckpt = Path(two_ranks[run]["ckpt_dir"]) / "epoch=1-step=20.ckpt"
+    assert is_sharded_checkpoint(ckpt) == (run == "resume")
     model = ParityNet.load_from_checkpoint(ckpt, map_location="cpu")  # Lightning's own loader
     for k, v in model.state_dict().items():
-        assert torch.equal(v, two_ranks["resume"]["weights"][k].to(v.dtype)), k
+        assert torch.equal(v, two_ranks[run]["weights"][k].to(v.dtype)), k
+    if run == "resume":
+        ckpt = consolidate(ckpt, tmp_path / "one.ckpt", progress=False)
     raw = torch.load(ckpt, map_location="cpu", weights_only=False)
     optimizer = model.configure_optimizers()["optimizer"]
     optimizer.load_state_dict(raw["optimizer_states"][0])  # torch's own per-parameter format

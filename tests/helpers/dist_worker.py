@@ -5,7 +5,7 @@ counts. Usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT NAME
 where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
 bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
 every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
-hysteresis (fp16 loss scaler); offload: oopt, oparams, nvme=1, chunk_mb, dpu (see ``offload_kwargs``).
+hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full); offload: oopt, oparams, nvme=1, chunk_mb, dpu (see ``offload_kwargs``).
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def make_trainer(
         )
         strategy = lightning_zero.ZeroStrategy(
             stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3,
-            **offload_kwargs(opts),
+            checkpoint_format=opts.get("ckpt", "sharded"), **offload_kwargs(opts),
         )
         if zp is None:
             plugin_kwargs = {"precision": precision}
@@ -195,7 +195,7 @@ def run(name: str, spec: str, out: str) -> None:
     if kind == "ddp":
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     else:
-        weights = trainer.strategy.lightning_module_state_dict()
+        weights = trainer.strategy.full_state_dict()
     result = {
         "losses": list(model.losses),
         "weights": weights,

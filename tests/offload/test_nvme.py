@@ -203,6 +203,6 @@ def test_teardown_removes_files_and_next_start_cleans_stale(tmp_path: Path) -> N
     assert sorted(p.name for p in root.iterdir()) == ["README.txt"]  # ... and cleaned up at teardown
     assert "NOT checkpoints" in (root / "README.txt").read_text()
     # after teardown the state lives in host memory: checkpoints and evaluation still work
-    state = trainer.strategy.lightning_module_state_dict()
+    state = trainer.strategy.full_state_dict()
     assert set(state) == set(model.state_dict())
     assert trainer.validate(model, verbose=False)

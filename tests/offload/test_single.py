@@ -152,7 +152,7 @@ class EditInPlace(pl.Callback):
         with trainer.strategy.gathered_params(pl_module.blocks[0]):
             self.seen = weight.detach().clone()
         with trainer.strategy.engines[0].host_state():
-            self.state = trainer.strategy.lightning_module_state_dict()
+            self.state = trainer.strategy.full_state_dict()
 
 
 def test_gathered_params_writeback_reaches_the_swap_files(tmp_path: Path) -> None:

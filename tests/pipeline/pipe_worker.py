@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N tests/pipeline/pipe_worker.py OUT NAME=SPEC [NAME=SPEC ...]
 SPEC is ``key=value`` pairs joined by ``,``: stages, micro, schedule, virtual, stage (ZeRO stage),
-blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after fit), resume (checkpoint
+blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after fit), fmt (checkpoint_format), resume (checkpoint
 at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``),
 accumulate, precision, expect (a bad-input case: 'layers' or 'batch'; the error message is recorded).
 Rank 0 writes ``OUT/NAME.pt``.
@@ -44,6 +44,7 @@ def make_trainer(opts: dict[str, str], steps: int, callbacks: list) -> pl.Traine
         schedule=opts.get("schedule", "1f1b"),
         virtual_stages=int(opts.get("virtual", 2)),
         bucket_size_mb=0.002,
+        checkpoint_format=opts.get("fmt", "sharded"),
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=steps,
@@ -91,7 +92,7 @@ def run(name: str, spec: str, out: str) -> None:
         result.update(
             losses=list(model.losses), val_losses=list(model.val_losses), grad_norms=list(probe.norms),
             bubble=trainer.strategy.pipeline_bubble,
-            weights=trainer.strategy.lightning_module_state_dict(),
+            weights=trainer.strategy.full_state_dict(),
             local_keys=sorted(model.state_dict().keys()),
         )
         if "ckpt" in opts:

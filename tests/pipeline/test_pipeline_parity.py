@@ -69,7 +69,7 @@ def refs() -> dict[str, dict]:
 def two_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {
         "p2_1f1b": "stages=2,schedule=1f1b,micro=4,ckpt=1",
-        "p2_gpipe": "stages=2,schedule=gpipe,micro=4",
+        "p2_gpipe": "stages=2,schedule=gpipe,micro=4,ckpt=1,fmt=full",
         "p2_uneven": "stages=2,schedule=1f1b,micro=2,blocks=5",
         "p2_interleaved": "stages=2,schedule=interleaved,virtual=2,micro=4,ckpt_interval=1",
         "p2_zero0_accum": "stages=2,stage=0,micro=2,accumulate=2,steps=10,partition=uniform",
@@ -158,9 +158,19 @@ def test_bf16_activations_and_gradients_cross_stages(two_procs: dict, refs: dict
     assert _rel(run["grad_norms"], refs["4"]["grad_norms"][:10]) < 5e-2
 
 
-def test_checkpoint_loads_into_unpipelined_model(two_procs: dict, refs: dict) -> None:
-    run = two_procs["p2_1f1b"]
-    ckpt = torch.load(run["ckpt"], weights_only=False)
+@pytest.mark.parametrize("name", ["p2_1f1b", "p2_gpipe"])
+def test_checkpoint_loads_into_unpipelined_model(two_procs: dict, refs: dict, name: str, tmp_path: Path) -> None:
+    """p2_1f1b saves sharded (each stage writes its own layers; consolidated here into one plain file),
+    p2_gpipe saves the full format (gathered on rank 0)."""
+    from lightning_zero.checkpoint import consolidate, is_sharded_checkpoint
+
+    run = two_procs[name]
+    path = run["ckpt"]
+    sharded = is_sharded_checkpoint(path)
+    assert sharded == (name == "p2_1f1b")
+    if sharded:
+        path = consolidate(path, tmp_path / "plain.ckpt", progress=False)
+    ckpt = torch.load(path, weights_only=False)
     plain = PipeNet(blocks=4)
     plain.load_state_dict(ckpt["state_dict"], strict=True)
     for k, v in plain.state_dict().items():
@@ -170,8 +180,12 @@ def test_checkpoint_loads_into_unpipelined_model(two_procs: dict, refs: dict) ->
     for rank in run["per_rank"]:  # pipe.predict: the last stage's outputs, on every rank
         assert torch.allclose(rank["predict"], expected, rtol=1e-4, atol=1e-5)
     opt = ckpt["optimizer_states"][0]
-    assert opt["pipeline_stages"] == 2 and len(opt["stages"]) == 2
-    assert all(s["state"] for s in opt["stages"])  # every stage's Adam moments are in the file
+    if sharded:  # the stages' states merged into torch's per-parameter format of the plain model
+        n_params = len({id(p) for p in plain.parameters()})
+        assert len(opt["state"]) == n_params and all("exp_avg" in s for s in opt["state"].values())
+    else:
+        assert opt["pipeline_stages"] == 2 and len(opt["stages"]) == 2
+        assert all(s["state"] for s in opt["stages"])  # every stage's Adam moments are in the file
 
 
 def test_resume_continues_with_the_same_losses(two_procs: dict) -> None:

@@ -34,7 +34,7 @@ def test_fit_then_summary_state_dict_gather_and_eval() -> None:
     assert ModelSummary(model).total_parameters == count
     assert all(p.untyped_storage().nbytes() == 0 for p in model.blocks.parameters())
     # full weights come out as a plain state dict a plain model loads
-    state = trainer.strategy.lightning_module_state_dict()
+    state = trainer.strategy.full_state_dict()
     plain = ParityNet()
     plain.load_state_dict(state)
     x, _ = RandomTokens(4)[0]

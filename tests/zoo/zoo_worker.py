@@ -6,7 +6,7 @@ with MODEL a key of ``tests.zoo.models.MODELS`` and SPEC one of ``SPECS`` below.
 run is over, holding:
 
 * ``losses`` (rank 0; the GAN: ``g_losses`` and ``d_losses``) and ``weights``: the final full state
-  dict (ddp: ``model.state_dict()``; ZeRO: ``strategy.lightning_module_state_dict()``, collective);
+  dict (ddp: ``model.state_dict()``; ZeRO: ``strategy.full_state_dict()``, collective);
 * ``per_rank``: each rank's losses, validation losses, buffers and memory figures (all_gather_object);
 * ``param_bytes`` / ``frozen_bytes``: the whole model's parameter bytes as ddp holds them;
 * ``moved``: each trainable tensor's relative change over the run (rank 0);
@@ -182,7 +182,7 @@ def run(out: str, model_name: str, spec: str) -> None:
         if spec.startswith("ddp"):
             weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         else:
-            weights = trainer.strategy.lightning_module_state_dict()  # collective: every rank
+            weights = trainer.strategy.full_state_dict()  # collective: every rank
     except Exception:  # noqa: BLE001 - recorded and reported by the tests
         error = traceback.format_exc()
         print(f"[zoo rank {dist.get_rank()}] {model_name}/{spec} failed:\n{error}", file=sys.stderr)

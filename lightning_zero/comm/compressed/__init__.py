@@ -20,6 +20,7 @@ from lightning_zero.comm.compressed.protocol import (
     add_comm_state,
     attach_backend,
     gradient_allreduce_needed,
+    local_comm_state,
     restore_comm_state,
     uses_compressed_comm,
 )
@@ -35,6 +36,6 @@ __all__ = [
     "COMM_STATE_KEY", "DEFAULT_BLOCK", "CommCounters", "CompressedBackend", "CompressedCommOptimizer",
     "ErrorFeedback", "KernelSignCompressor", "OneBitLayout", "SignCompressor", "TorchDistBackend",
     "TorchSignCompressor", "add_comm_state", "allreduce_bytes", "attach_backend", "default_compressor",
-    "gradient_allreduce_needed", "make_compressor", "restore_comm_state", "simulate_onebit_allreduce",
+    "gradient_allreduce_needed", "local_comm_state", "make_compressor", "restore_comm_state", "simulate_onebit_allreduce",
     "uses_compressed_comm", "wire_bytes",
 ]

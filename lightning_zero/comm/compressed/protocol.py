@@ -78,6 +78,14 @@ def add_comm_state(optimizer: object, state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def local_comm_state(optimizer: object) -> Optional[dict[str, Any]]:
+    """This rank's communication state (no collective; sharded checkpoints store one per rank), or
+    None for an optimizer without compressed communication."""
+    if uses_compressed_comm(optimizer):
+        return optimizer.local_comm_state()  # type: ignore[attr-defined]
+    return None
+
+
 def restore_comm_state(optimizer: object, state: dict[str, Any]) -> None:
     if uses_compressed_comm(optimizer):
         optimizer.load_comm_state(state.get(COMM_STATE_KEY))  # type: ignore[attr-defined]

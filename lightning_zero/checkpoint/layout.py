@@ -1,0 +1,237 @@
+"""Which pieces of the model and optimizer state one rank writes, and where it reads them back.
+
+[Note: sharded checkpoint keys]
+Keys are layout-free, so any stage, world size, offload setting or pipeline layout reads them:
+
+* ``state_dict.<name>``: the weight or buffer that Lightning's ``state_dict`` calls ``<name>``
+  (flattened, pieces.py [Note: every tensor is stored flattened]); fp32 masters for the parameters
+  an engine steps, stage 3's frozen partitions in their compute dtype, everything else as held.
+  A tensor under two names (tied weights) is stored once, under its first name.
+* ``optimizer_states.<k>.state.<name>.<key>``: optimizer ``k``'s per-parameter state. Flat state
+  (Adam's moments) is stored like the weights; per-group scalars (``step``) under every parameter's
+  name, written by the rank that owns the parameter's first element.
+* ``optimizer_states.<k>.comm.rank<r>``: a 1-bit optimizer's error feedback of global rank ``r``
+  (only meaningful on the same world size, as before).
+
+Who writes what: a partition's owner writes its pieces; a tensor every data-parallel rank holds
+whole (buffers, stage 0's masters, parameters no engine manages) is split evenly over the
+data-parallel ranks; with pipeline stages a tensor held by several stages (tied modules) is written
+by the first of them. Reading, a rank asks for what it holds: its partitions' ranges, and whole
+tensors for everything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint.pieces import FlatPiece
+from lightning_zero.comm.compressed import local_comm_state
+from lightning_zero.zero.engine import ZeroEngine
+
+WEIGHT_PREFIX = "state_dict."
+
+
+def opt_prefix(k: int) -> str:
+    return f"optimizer_states.{k}."
+
+
+@dataclass
+class RankView:
+    """What one rank holds, as the checkpoint code needs it (built by the strategy)."""
+
+    module: torch.nn.Module
+    optimizers: list[Optimizer]
+    engines: list[Optional[ZeroEngine]]
+    """One per optimizer (None: a plain optimizer no engine wraps)."""
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    global_rank: int = 0
+    orig_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+
+    def named_tensors(self) -> dict[str, Tensor]:
+        return dict(self.module.state_dict(keep_vars=True))
+
+    def canonical_names(self) -> dict[str, str]:
+        """Every state-dict name -> the first name of the same tensor (tied weights share it)."""
+        first: dict[int, str] = {}
+        return {name: first.setdefault(id(t), name) for name, t in self.named_tensors().items()}
+
+    def param_names(self) -> dict[int, str]:
+        first: dict[int, str] = {}
+        for name, t in self.named_tensors().items():
+            first.setdefault(id(t), name)
+        return first
+
+    def managed(self) -> dict[int, tuple[Any, int]]:
+        """id(param) -> (param group storage, slot position) for every parameter an engine holds."""
+        out: dict[int, tuple[Any, int]] = {}
+        for engine in self.engines:
+            if engine is None:
+                continue
+            for fg in getattr(engine, "all_groups", engine.groups):
+                for si, slot in enumerate(fg.layout.slots):
+                    out.setdefault(id(fg.params[slot.index]), (fg, si))
+        return out
+
+
+def even_range(numel: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank ``rank``'s share of ``numel`` elements split evenly over ``size`` ranks (write side)."""
+    return numel * rank // size, numel * (rank + 1) // size
+
+
+def slot_pieces(fg: Any, si: int, dp_rank: int, dp_size: int, whole: bool) -> list[tuple[int, int, int]]:
+    """(start in the parameter, start in ``fg.master``, length) of slot ``si``'s elements this rank
+    handles: its partition's piece when the group is sharded; otherwise its even share (``whole``
+    False: writing) or everything (``whole`` True: reading)."""
+    slot = fg.layout.slots[si]
+    if fg.layout.num_shards > 1:
+        cache = fg.__dict__.setdefault("_ckpt_pieces", None)
+        if cache is None:
+            cache = {}
+            for index, start, shard_start, length in fg.layout.param_pieces_in_shard(fg.shard):
+                cache.setdefault(index, []).append((start, shard_start, length))
+            fg._ckpt_pieces = cache
+        pieces = list(cache.get(slot.index, []))
+        assert len(pieces) <= 1, "a parameter lies in one bucket, so its piece of a shard is contiguous"
+        return pieces
+    lo, hi = (0, slot.numel) if whole else even_range(slot.numel, dp_rank, dp_size)
+    return [(lo, slot.offset + lo, hi - lo)] if hi > lo else []
+
+
+def _flat_view(t: Tensor) -> Optional[Tensor]:
+    t = t.detach()
+    return t.view(-1) if t.is_contiguous() else None
+
+
+# ------------------------------------------------------------------------------------------ save
+def weight_entries(view: RankView) -> dict[str, Any]:
+    """This rank's share of the weights and buffers: ``state_dict.<name>`` -> FlatPiece."""
+    managed = view.managed()
+    canon = view.canonical_names()
+    out: dict[str, Any] = {}
+    for name, t in view.named_tensors().items():
+        if canon[name] != name or not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        key = WEIGHT_PREFIX + name
+        if id(t) in managed:
+            fg, si = managed[id(t)]
+            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=False):
+                out[key] = FlatPiece(fg.master[mstart : mstart + length], start, t.numel())
+        else:
+            lo, hi = even_range(t.numel(), view.dp_rank, view.dp_size)
+            if hi > lo:
+                flat = _flat_view(t)
+                flat = flat if flat is not None else t.detach().reshape(-1)
+                out[key] = FlatPiece(flat[lo:hi], lo, t.numel())
+    return out
+
+
+def _is_flat_state(value: Any, fg: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == fg.master.numel() and value.numel() > 0
+
+
+def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Optimizer ``k``'s state this rank writes, and its param groups' records (hyper-parameters,
+    parameter names, which state keys are flat) for ``meta.pt``."""
+    opt, engine = view.optimizers[k], view.engines[k]
+    if engine is None:
+        raise RuntimeError(
+            f"optimizer {k} ({type(opt).__name__}) is not wrapped by a ZeRO engine; sharded checkpoints need every "
+            "optimizer set up by the strategy (use checkpoint_format='full')."
+        )
+    names = view.param_names()
+    prefix = opt_prefix(k)
+    out: dict[str, Any] = {}
+    records = []
+    for gi, (fg, pg) in enumerate(zip(engine.groups, opt.param_groups)):
+        st = opt.state.get(fg.master, {})
+        flat_keys = sorted(key for key, v in st.items() if _is_flat_state(v, fg))
+        scalar_keys = sorted(key for key in st if key not in flat_keys)
+        records.append({
+            "hyper": {key: v for key, v in pg.items() if key != "params"},
+            "params": [names.get(id(p), "") for p in engine.original_params[gi]],
+            "flat": flat_keys,
+            "scalar": scalar_keys,
+        })
+        for si, slot in enumerate(fg.layout.slots):
+            p = fg.params[slot.index]
+            pname = names.get(id(p))
+            if pname is None:
+                continue
+            pieces = slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=False)
+            for key in flat_keys:
+                for start, mstart, length in pieces:
+                    out[f"{prefix}state.{pname}.{key}"] = FlatPiece(st[key][mstart : mstart + length], start, p.numel())
+            if any(start == 0 for start, _, _ in pieces):  # the owner of the first element writes the scalars
+                for key in scalar_keys:
+                    value = st[key]
+                    out[f"{prefix}state.{pname}.{key}"] = value.detach() if torch.is_tensor(value) else value
+    comm = local_comm_state(opt)
+    if comm is not None:
+        out[f"{prefix}comm.rank{view.global_rank}"] = comm
+    return out, records
+
+
+def weight_info(view: RankView) -> dict[str, dict[str, Any]]:
+    """Every state-dict name -> shape, dtype to restore, and the key its value is stored under."""
+    canon = view.canonical_names()
+    info = {}
+    for name, t in view.named_tensors().items():
+        if torch.is_tensor(t):
+            dtype = view.orig_dtypes.get(name, t.dtype)
+            info[name] = {"shape": tuple(t.shape), "dtype": str(dtype).replace("torch.", ""),
+                          "key": WEIGHT_PREFIX + canon[name]}
+        else:
+            info[name] = {"value": t}
+    return info
+
+
+def drop_later_stage_copies(entries: dict[str, Any], mine: int, first_stage: dict[str, int]) -> dict[str, Any]:
+    """Pipeline: keep only the entries whose first holder (``first_stage[key]``) is this stage."""
+    return {k: v for k, v in entries.items() if first_stage.get(k, mine) == mine}
+
+
+# ------------------------------------------------------------------------------------------ load
+def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tensor, Tensor]]]:
+    """Where this rank reads each weight: ``state_dict.<name>`` -> FlatPiece(s) into the masters it
+    holds or the module's own tensors. Returns also (temporary, target) pairs to copy afterwards
+    (non-contiguous tensors). One key holds one piece: a rank's partition of a parameter is contiguous."""
+    managed = view.managed()
+    canon = view.canonical_names()
+    out: dict[str, Any] = {}
+    after: list[tuple[Tensor, Tensor]] = []
+    for name, t in view.named_tensors().items():
+        if canon[name] != name or not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        key = WEIGHT_PREFIX + name
+        if id(t) in managed:
+            fg, si = managed[id(t)]
+            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=True):
+                out[key] = FlatPiece(fg.master[mstart : mstart + length], start, t.numel())
+        else:
+            flat = _flat_view(t)
+            if flat is None:
+                flat = torch.empty(t.numel(), dtype=t.dtype)
+                after.append((flat, t))
+            out[key] = FlatPiece(flat, 0, t.numel())
+    return out, after
+
+
+def iter_group_slots(view: RankView, k: int) -> Iterator[tuple[int, Any, Any, str, list[tuple[int, int, int]]]]:
+    """(group index, param group storage, param, name, pieces it holds) for optimizer ``k``."""
+    engine = view.engines[k]
+    assert engine is not None
+    names = view.param_names()
+    for gi, fg in enumerate(engine.groups):
+        for si, slot in enumerate(fg.layout.slots):
+            p = fg.params[slot.index]
+            name = names.get(id(p))
+            if name is not None:
+                yield gi, fg, p, name, slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=True)

@@ -1,0 +1,421 @@
+"""Save and load sharded checkpoints: the strategy's one entry point (see layout.py for the keys,
+storage.py for the files, atomic.py for the rename, pieces.py for the resharding).
+
+[Note: sharded save and load]
+Save (every rank): the pieces this rank owns are collected (inside ``engine.host_state()``, so
+NVMe-offloaded states are readable), torch.distributed.checkpoint writes them into a hidden partial
+directory over a gloo group of its own, rank 0 adds ``meta.pt`` (Lightning's own entries: epoch,
+loops, callbacks, hyper-parameters; the names, shapes and dtypes of the weights; the optimizers'
+param groups) and renames the directory into place. Nothing is gathered: no rank ever holds more
+than its own partitions plus the piece being written. With ``checkpoint_async`` the pieces are first
+copied into a reused host buffer and the writing runs in a background thread; the next save, the end
+of fit and an exception wait for it, and checkpoint deletions requested meanwhile (``save_top_k``)
+run after it, so the newest complete checkpoint always exists on disk.
+
+Load (every rank): ``meta.pt`` is read first (it is what Lightning sees as the checkpoint, with
+markers in place of ``state_dict``/``optimizer_states``); the weights and then the optimizer states
+are read by torch.distributed.checkpoint straight into the masters, optimizer states and module
+tensors this rank holds; engines then refresh their 16-bit parameters from the masters.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Callable, Generator, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint import layout as L
+from lightning_zero.checkpoint.pieces import FlatPiece, PieceLoadPlanner, PieceSavePlanner
+from lightning_zero.checkpoint.storage import CheckedReader, CheckedWriter, CorruptCheckpointError
+from lightning_zero.comm import collectives as C
+from lightning_zero.comm.compressed import COMM_STATE_KEY, restore_comm_state
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class ShardedStateDict(dict):
+    """Stands for ``checkpoint["state_dict"]`` of a sharded checkpoint: the weights are written (or
+    read) by the strategy itself, piece by piece, never as one dict. Empty; ``path`` is set on load."""
+
+    def __init__(self, path: Optional[str] = None) -> None:
+        super().__init__()
+        self.path = path
+
+
+class ShardedOptimizerState(dict):
+    """Stands for ``checkpoint["optimizer_states"][k]`` of a sharded checkpoint (see ShardedStateDict)."""
+
+    def __init__(self, index: int, path: Optional[str] = None) -> None:
+        super().__init__()
+        self.index = index
+        self.path = path
+
+
+def _rethrow(e: CheckpointException) -> None:
+    """DCP gathers every rank's failure into one CheckpointException (a BaseException, raised on all
+    ranks): raise the first CorruptCheckpointError in it, which names the file, on every rank."""
+    for exc, _ in e.failures.values():
+        if isinstance(exc, CorruptCheckpointError):
+            raise CorruptCheckpointError(str(exc)) from None
+    raise RuntimeError(str(e)) from None
+
+
+def read_meta(path: atomic.PathLike) -> dict[str, Any]:
+    """``meta.pt`` of a sharded checkpoint, with a clear error when it is missing or damaged."""
+    f = Path(path) / atomic.META_FILE
+    if not f.is_file():
+        raise CorruptCheckpointError(f"{path} is not a complete lightning_zero sharded checkpoint: no {atomic.META_FILE}")
+    try:
+        return torch.load(f, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CorruptCheckpointError(f"{f} is damaged: {e}") from e
+
+
+def read_dcp_metadata(path: atomic.PathLike) -> Metadata:
+    return CheckedReader(str(path)).read_metadata()
+
+
+def dcp_load(state: dict[str, Any], path: atomic.PathLike, group: Any, threads: int, no_dist: bool = False) -> None:
+    """Read ``state`` (FlatPieces and tensors filled in place, objects replaced) from ``path``."""
+    if not state and no_dist:
+        return
+    try:
+        with warnings.catch_warnings():  # offline reads (no_dist) are meant to be single-process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=CheckedReader(str(path), threads), planner=PieceLoadPlanner(),
+                     process_group=group, no_dist=no_dist)
+    except CheckpointException as e:
+        _rethrow(e)
+
+
+def _nbytes(entries: dict[str, Any]) -> int:
+    total = 0
+    for v in entries.values():
+        t = v.source if isinstance(v, FlatPiece) else v
+        if torch.is_tensor(t):
+            total += t.numel() * t.element_size()
+    return total
+
+
+class _HostArena:
+    """A host buffer reused by every async save (pinned when the pieces come from a GPU: allocating
+    gigabytes of pinned memory per save would cost more than the copy)."""
+
+    def __init__(self) -> None:
+        self.buffer: Optional[Tensor] = None
+
+    def stage(self, entries: dict[str, Any]) -> dict[str, Any]:
+        need = sum(_aligned(t.numel() * t.element_size()) for t in _tensors(entries))
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(entries))
+        if self.buffer is None or self.buffer.numel() < need or (pin and not self.buffer.is_pinned()):
+            self.buffer = None
+            self.buffer = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+        offset = 0
+        out: dict[str, Any] = {}
+
+        def copy_in(t: Tensor) -> Tensor:
+            nonlocal offset
+            n = t.numel() * t.element_size()
+            assert self.buffer is not None
+            dst = self.buffer[offset : offset + n].view(t.dtype).view(t.shape)
+            offset += _aligned(n)
+            dst.copy_(t.detach(), non_blocking=True)
+            return dst
+
+        for k, v in entries.items():
+            if isinstance(v, FlatPiece):
+                out[k] = FlatPiece(copy_in(v.source.contiguous()), v.start, v.numel)
+            elif torch.is_tensor(v):
+                out[k] = copy_in(v.contiguous())
+            else:
+                out[k] = copy.deepcopy(v)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _tensors(entries: dict[str, Any]) -> list[Tensor]:
+    out = []
+    for v in entries.values():
+        t = v.source if isinstance(v, FlatPiece) else v
+        if torch.is_tensor(t):
+            out.append(t)
+    return out
+
+
+class ShardedCheckpointer:
+    """Sharded checkpoints of one strategy (see the Note above). ``group``: the gloo group every rank
+    of the job is in (None in a single process)."""
+
+    def __init__(self, group: Any, threads: int = 4, fsync: bool = True, async_save: bool = False) -> None:
+        self.group = group
+        self.rank = C.rank(group)
+        self.threads = threads
+        self.fsync = fsync
+        self.async_save = async_save
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[Future] = None
+        self._deferred: list[str] = []
+        self._arena = _HostArena()
+        self.last_save: dict[str, float] = {}
+        """Timings of the latest save (seconds): ``blocking`` (what the caller waited) and ``total``."""
+
+    # ------------------------------------------------------------------------------ save
+    def save(self, view: L.RankView, checkpoint: dict[str, Any], path: atomic.PathLike,
+             host_state: Callable[[], Any], extra_info: dict[str, Any]) -> None:
+        """Write ``checkpoint`` (Lightning's dict; its ``state_dict``/``optimizer_states`` are markers)
+        as a sharded directory at ``path`` (collective over every rank)."""
+        t0 = time.perf_counter()
+        self.wait()
+        final = Path(path)
+        with host_state():
+            entries = L.weight_entries(view)
+            records: dict[int, list[dict[str, Any]]] = {}
+            n_opt = len(checkpoint.get("optimizer_states", []) or [])
+            for k in range(n_opt):
+                opt_entries, records[k] = L.optimizer_entries(view, k)
+                entries.update(opt_entries)
+            weights = L.weight_info(view)
+            entries, weights, stage_records = self._merge_stages(view, entries, weights, records)
+            meta_bytes = b""
+            if self.rank == 0:
+                rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+                meta = {
+                    "lightning": rest,
+                    "lightning_zero": {
+                        **extra_info,
+                        "format": FORMAT_VERSION,
+                        "weights": weights,
+                        "optimizers": [{"stages": stage_records.get(k, {})} for k in range(n_opt)],
+                        "has_optimizer_states": "optimizer_states" in checkpoint,
+                    },
+                }
+                buf = io.BytesIO()
+                torch.save(meta, buf)
+                meta_bytes = buf.getvalue()
+            if self.async_save:
+                entries = self._arena.stage(entries)
+        job = lambda: self._write(entries, meta_bytes, final)  # noqa: E731
+        if not self.async_save:
+            with host_state():  # NVMe: the swapped-in buffers the pieces point into stay valid
+                job()
+            self.last_save = {"blocking": time.perf_counter() - t0, "total": time.perf_counter() - t0}
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lz-ckpt-async")
+        blocking = time.perf_counter() - t0
+        self._pending = self._pool.submit(self._timed, job, t0)
+        self.last_save = {"blocking": blocking}
+
+    def _timed(self, job: Callable[[], None], t0: float) -> None:
+        job()
+        self.last_save["total"] = time.perf_counter() - t0
+
+    def _merge_stages(self, view: L.RankView, entries: dict[str, Any], weights: dict[str, Any],
+                      records: dict[int, list[dict[str, Any]]]) -> tuple[dict[str, Any], dict[str, Any], dict[int, dict]]:
+        """Pipeline stages hold different names; a tied module is on several. Every rank learns which
+        stage holds each key first (that stage writes it) and rank 0 the union of names and records."""
+        mine = {k: {view.pp_rank: recs} for k, recs in records.items()}
+        if view.pp_size == 1 or C.world_size(self.group) == 1:
+            return entries, weights, mine
+        gathered = C.all_gather_object((view.pp_rank, view.dp_rank, sorted(entries), weights, records), self.group)
+        stages = {pp for pp, _, _, _, _ in gathered}  # type: ignore[misc]
+        if len(stages) == 1:
+            return entries, weights, mine
+        first: dict[str, int] = {}
+        all_weights: dict[str, Any] = {}
+        stage_records: dict[int, dict[int, list]] = {}
+        for pp, dp, keys, w, recs in sorted(gathered, key=lambda g: g[0]):  # type: ignore[index]
+            for key in keys:
+                first.setdefault(key, pp)
+            for name, info in w.items():
+                all_weights.setdefault(name, info)
+            if dp == 0:
+                for k, r in recs.items():
+                    stage_records.setdefault(k, {})[pp] = r
+        kept = L.drop_later_stage_copies(entries, view.pp_rank, first)
+        return kept, all_weights, stage_records
+
+    def _write(self, entries: dict[str, Any], meta_bytes: bytes, final: Path) -> None:
+        """Everything after the pieces are known: partial directory, DCP write, meta.pt, rename."""
+        t0 = time.perf_counter()
+        partial = atomic.new_partial_name(final) if self.rank == 0 else None
+        partial = Path(C.broadcast_object(str(partial) if partial else None, 0, self.group))  # type: ignore[arg-type]
+        if self.rank == 0:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic.remove_stale_partials(final.parent, keep=partial)
+            partial.mkdir(parents=True, exist_ok=True)
+        C.barrier(self.group)
+        writer = CheckedWriter(str(partial), thread_count=self.threads, sync_files=self.fsync)
+        try:
+            dcp.save(entries, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)
+        except CheckpointException as e:
+            _rethrow(e)
+        if self.rank == 0:
+            atomic.write_file(partial / atomic.META_FILE, meta_bytes, self.fsync)
+            atomic.commit(partial, final, self.fsync)
+            for old in self._deferred:
+                atomic.remove(old)
+            self._deferred = []
+        C.barrier(self.group)
+        if self.rank == 0:
+            log.info("saved sharded checkpoint %s (%.2f GB from this rank) in %.2f s", final,
+                     _nbytes(entries) / 1e9, time.perf_counter() - t0)
+
+    def wait(self) -> None:
+        """Block until a pending async save has finished; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def remove(self, path: atomic.PathLike) -> None:
+        """Delete a checkpoint (rank 0); while an async save runs, after it (a deletion never leaves
+        the run without a complete checkpoint)."""
+        if self.rank != 0:
+            return
+        if self._pending is not None and not self._pending.done():
+            self._deferred.append(str(path))
+            return
+        atomic.remove(path)
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    # ------------------------------------------------------------------------------ load
+    def load_weights(self, view: L.RankView, path: str, strict: bool, pipelined: bool,
+                     host_state: Callable[[], Any], refresh: Callable[[], None]) -> None:
+        """Read the weights this rank holds from a sharded checkpoint (collective)."""
+        meta = read_meta(path)["lightning_zero"]
+        md = read_dcp_metadata(path)
+        saved_weights: dict[str, Any] = meta["weights"]
+        with host_state():
+            dests, after = L.weight_destinations(view)
+            state: dict[str, Any] = {}
+            missing = []
+            for key, piece in dests.items():
+                name = key[len(L.WEIGHT_PREFIX):]
+                skey = saved_weights.get(name, {}).get("key", key)
+                if skey not in md.state_dict_metadata:
+                    missing.append(name)
+                    continue
+                state[skey] = piece
+            local = set(view.named_tensors())
+            unexpected = [] if pipelined else [n for n in saved_weights if n not in local]
+            if strict and (missing or unexpected):
+                raise KeyError(
+                    f"Checkpoint {path} does not match the model: missing {missing[:5]}"
+                    f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+                    " (LightningModule.strict_loading=False loads what matches)."
+                )
+            dcp_load(state, path, self.group, self.threads)
+            for tmp, target in after:
+                with torch.no_grad():
+                    target.copy_(tmp.view(target.shape))
+            refresh()  # inside host_state: NVMe-offloaded parameters are written from the loaded masters
+
+    def load_optimizers(self, view: L.RankView, path: str, host_state: Callable[[], Any]) -> None:
+        """Read the optimizer states this rank holds (collective)."""
+        meta = read_meta(path)["lightning_zero"]
+        if not meta.get("has_optimizer_states", False):
+            raise KeyError(f"Checkpoint {path} holds no optimizer states (saved with weights only).")
+        saved = meta["optimizers"]
+        if len(saved) != len(view.optimizers):
+            raise ValueError(f"Checkpoint {path} has {len(saved)} optimizers, this run has {len(view.optimizers)}.")
+        md = read_dcp_metadata(path)
+        with host_state():
+            state: dict[str, Any] = {}
+            plans = [self._optimizer_plan(view, k, saved[k]["stages"], md, state) for k in range(len(view.optimizers))]
+            dcp_load(state, path, self.group, self.threads)
+            for plan in plans:
+                plan(state)
+
+    def _optimizer_plan(self, view: L.RankView, k: int, stages: dict[int, list[dict[str, Any]]], md: Metadata,
+                        state: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+        """Add optimizer ``k``'s destinations to ``state``; return what installs them once read."""
+        opt, engine = view.optimizers[k], view.engines[k]
+        if engine is None:
+            raise RuntimeError(f"optimizer {k} is not wrapped by a ZeRO engine; it cannot load a sharded checkpoint.")
+        records = stages.get(view.pp_rank) or stages.get(0) or next(iter(stages.values()), [])
+        if len(records) != len(opt.param_groups):
+            raise ValueError(
+                f"Checkpoint has {len(records)} param groups for optimizer {k}, the optimizer has {len(opt.param_groups)}."
+            )
+        prefix = L.opt_prefix(k)
+        for pg, rec in zip(opt.param_groups, records):
+            pg.update(rec["hyper"])
+        opt.state.clear()
+        new_states: dict[int, dict[str, Any]] = {}
+        scalar_keys: dict[int, dict[str, str]] = {}
+        for gi, fg, p, name, pieces in L.iter_group_slots(view, k):
+            rec = records[gi]
+            if not rec["flat"] and not rec["scalar"]:
+                continue
+            st = new_states.setdefault(gi, {})
+            for key in rec["flat"]:
+                skey = f"{prefix}state.{name}.{key}"
+                smd = md.state_dict_metadata.get(skey)
+                if not isinstance(smd, TensorStorageMetadata):
+                    continue
+                if key not in st:
+                    st[key] = torch.zeros(fg.master.numel(), dtype=smd.properties.dtype, device=fg.master.device)
+                for start, mstart, length in pieces:
+                    state[skey] = FlatPiece(st[key][mstart : mstart + length], start, p.numel())
+            for key in rec["scalar"]:
+                skey = f"{prefix}state.{name}.{key}"
+                if key in scalar_keys.setdefault(gi, {}) or skey not in md.state_dict_metadata:
+                    continue
+                smd = md.state_dict_metadata[skey]
+                scalar_keys[gi][key] = skey
+                if isinstance(smd, TensorStorageMetadata):
+                    state[skey] = torch.empty(smd.size, dtype=smd.properties.dtype)
+                else:
+                    assert isinstance(smd, BytesStorageMetadata)
+                    state[skey] = None
+        comm_key = None
+        for candidate in (f"{prefix}comm.rank{view.global_rank}", f"{prefix}comm.rank0"):
+            if candidate in md.state_dict_metadata:
+                comm_key = candidate
+                state[comm_key] = None
+                break
+
+        def install(loaded: dict[str, Any]) -> None:
+            for gi, st in new_states.items():
+                for key, skey in scalar_keys.get(gi, {}).items():
+                    st[key] = loaded[skey]
+                opt.state[engine.groups[gi].master] = st
+            with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
+                restore_comm_state(opt, {COMM_STATE_KEY: loaded[comm_key]} if comm_key else {})
+
+        return install
+
+
+@contextmanager
+def all_host_state(engines: list[Any]) -> Generator[None, None, None]:
+    """Every engine's masters and optimizer states resident (NVMe offload swaps them in)."""
+    with ExitStack() as stack:
+        for engine in engines:
+            if engine is not None:
+                stack.enter_context(engine.host_state())
+        yield

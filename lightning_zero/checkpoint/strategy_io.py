@@ -1,0 +1,224 @@
+"""ZeroStrategy's checkpoint hooks: Lightning's save/load/remove calls routed to the sharded format
+(sharded.py) or the full one (zero/state_dict.py).
+
+How Lightning drives them: ``Trainer.save_checkpoint`` calls ``lightning_module_state_dict`` and
+``optimizer_state`` (through its checkpoint connector), then ``save_checkpoint``; ``ModelCheckpoint``
+calls ``remove_checkpoint`` for checkpoints that fall out of the top-k; resuming calls
+``load_checkpoint`` and later ``load_model_state_dict`` / ``load_optimizer_state_dict``. In the
+sharded format the first two return markers (no gather), and the two loads read the pieces.
+
+The mixin expects the strategy's ``config``, ``dims``, ``_engines``, ``_pipeline``, ``_orig_dtypes``,
+``optimizers``, ``lightning_module`` and ``checkpoint_io``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint import layout as L
+from lightning_zero.checkpoint.sharded import (
+    ShardedCheckpointer,
+    ShardedOptimizerState,
+    ShardedStateDict,
+    all_host_state,
+    read_meta,
+)
+from lightning_zero.comm import collectives as C
+from lightning_zero.comm.compressed import protocol as compressed_comm
+from lightning_zero.zero import state_dict as zsd
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointMixin:
+    """Checkpoint hooks of ZeroStrategy (see the module docstring)."""
+
+    _checkpointer: Optional[ShardedCheckpointer] = None
+
+    # ------------------------------------------------------------------ set-up
+    def _setup_checkpointer(self) -> None:
+        """Collective: a gloo group of every rank for checkpoint I/O (sharded.py)."""
+        cfg = self.config  # type: ignore[attr-defined]
+        group = C.new_gloo_group(cfg.timeout_s) if C.is_initialized() and C.world_size() > 1 else None
+        self._checkpointer = ShardedCheckpointer(group, cfg.checkpoint_threads, cfg.checkpoint_fsync, cfg.checkpoint_async)
+
+    @property
+    def checkpointer(self) -> ShardedCheckpointer:
+        if self._checkpointer is None:  # a single process never went through setup_environment's group
+            self._setup_checkpointer()
+        assert self._checkpointer is not None
+        return self._checkpointer
+
+    def _sharded(self) -> bool:
+        return self.config.checkpoint_format == "sharded"  # type: ignore[attr-defined]
+
+    def _rank_view(self) -> L.RankView:
+        dims = self.dims  # type: ignore[attr-defined]
+        opts = list(self.optimizers)  # type: ignore[attr-defined]
+        return L.RankView(
+            module=self.lightning_module,  # type: ignore[attr-defined]
+            optimizers=opts,
+            engines=[self._engines.get(id(o)) for o in opts],  # type: ignore[attr-defined]
+            dp_rank=dims.dp_rank if dims is not None else 0,
+            dp_size=dims.dp if dims is not None else 1,
+            pp_rank=dims.pp_rank if dims is not None else 0,
+            pp_size=dims.pp if dims is not None else 1,
+            global_rank=C.rank(),
+            orig_dtypes=dict(self._orig_dtypes),  # type: ignore[attr-defined]
+        )
+
+    def _host_state(self) -> Any:
+        return all_host_state(list(self._engines.values()))  # type: ignore[attr-defined]
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint save has finished (raises its error, if any)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    # ------------------------------------------------------------------ save
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
+        (collective: every rank must call it)."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        assert module is not None
+        state = module.state_dict()
+        masters: dict[int, Tensor] = {}
+        for engine in self._engines.values():  # type: ignore[attr-defined]
+            masters.update(zsd.full_master_params(engine))
+        keyed = {k: masters[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in masters}
+        out = {}
+        for k, v in state.items():
+            value = keyed.get(k, v)
+            want = self._orig_dtypes.get(k)  # type: ignore[attr-defined]
+            if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:
+                raise RuntimeError(f"'{k}' is a released ZeRO-3 parameter that no engine holds a partition of.")
+            if torch.is_tensor(value) and want is not None and value.dtype != want:
+                value = value.to(want)
+            out[k] = value.detach().cpu() if torch.is_tensor(value) else value
+        pipeline = self._pipeline  # type: ignore[attr-defined]
+        return pipeline.merge_state_dict(out) if pipeline is not None else out
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
+        gathered); full format: :meth:`full_state_dict`."""
+        if self._sharded():
+            return ShardedStateDict()
+        return self.full_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        if self._sharded():
+            return ShardedOptimizerState([id(o) for o in self.optimizers].index(id(optimizer)))  # type: ignore[attr-defined]
+        engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
+        if engine is None:
+            return optimizer.state_dict()
+        with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
+            state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
+        pipeline = self._pipeline  # type: ignore[attr-defined]
+        return pipeline.gather_optimizer_state(state) if pipeline is not None else state
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
+            if storage_options is None and atomic.Path(filepath).is_dir():
+                raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
+            if self.is_global_zero:  # type: ignore[attr-defined]
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
+            return
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
+        cfg = self.config  # type: ignore[attr-defined]
+        dims = self.dims  # type: ignore[attr-defined]
+        info = {
+            "stage": cfg.stage,
+            "world_size": C.world_size(),
+            "dp": dims.dp if dims is not None else 1,
+            "pp": dims.pp if dims is not None else 1,
+            "offload_optimizer": cfg.offload_optimizer,
+            "offload_params": cfg.offload_params,
+            "global_step": checkpoint.get("global_step"),
+            "epoch": checkpoint.get("epoch"),
+        }
+        self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, info)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Delete a checkpoint completely, file or directory (rank 0), after a pending async save."""
+        self.checkpointer.remove(filepath)
+
+    # ------------------------------------------------------------------ load
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded directory: its ``meta.pt`` (Lightning's entries) with markers for the weights and
+        optimizer states, read later piece by piece; a file: the usual ``torch.load``."""
+        path = Path(checkpoint_path)
+        if atomic.is_sharded_checkpoint(path):
+            meta = read_meta(path)
+            ckpt = dict(meta["lightning"])
+            ckpt["state_dict"] = ShardedStateDict(str(path))
+            info = meta["lightning_zero"]
+            if info.get("has_optimizer_states"):
+                ckpt["optimizer_states"] = [ShardedOptimizerState(k, str(path)) for k in range(len(info["optimizers"]))]
+            return ckpt
+        if path.is_dir():
+            raise FileNotFoundError(
+                f"{path} is a directory but not a complete lightning_zero sharded checkpoint (it lacks .metadata or "
+                f"{atomic.META_FILE}: an interrupted save, or another library's format)."
+            )
+        torch.cuda.empty_cache()
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
+
+    def _refresh_from_masters(self) -> None:
+        for engine in self._engines.values():  # type: ignore[attr-defined]
+            engine.after_master_load()
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        sd = checkpoint["state_dict"]
+        if isinstance(sd, ShardedStateDict):
+            assert sd.path is not None
+            self.checkpointer.load_weights(self._rank_view(), sd.path, strict, self._pipeline is not None,  # type: ignore[attr-defined]
+                                           self._host_state, self._refresh_from_masters)
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        assert module is not None
+        sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
+        if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
+            names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
+            missing = [k for k in names if k not in sd]
+            if strict and missing:
+                raise KeyError(f"Checkpoint lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}")
+            result = module.load_state_dict({k: v for k, v in sd.items() if k not in names}, strict=False)
+            if strict and [k for k in result.missing_keys if k not in names] + list(result.unexpected_keys):
+                raise KeyError(f"State dict mismatch: {result}")
+        else:
+            module.load_state_dict(sd, strict=strict)
+        if not self._engines:  # type: ignore[attr-defined]
+            return
+        values = {}
+        for k, v in module.state_dict(keep_vars=True).items():
+            if k in sd:
+                values[id(v)] = sd[k].to(torch.float32)  # stays on the host: shards are sliced out of it
+        for engine in self._engines.values():  # type: ignore[attr-defined]
+            zsd.load_master_params(engine, values)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        saved = checkpoint["optimizer_states"]
+        if saved and isinstance(saved[0], ShardedOptimizerState):
+            assert saved[0].path is not None
+            self.checkpointer.load_optimizers(self._rank_view(), saved[0].path, self._host_state)
+            return
+        for opt, state in zip(self.optimizers, saved):  # type: ignore[attr-defined]
+            pipeline = self._pipeline  # type: ignore[attr-defined]
+            if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
+                state = pipeline.local_optimizer_state(state)
+            engine = self._engines.get(id(opt))  # type: ignore[attr-defined]
+            if engine is None:
+                opt.load_state_dict(state)
+            else:
+                zsd.load_optimizer_state(engine, state)
+                with engine.masters_in_optimizer():
+                    compressed_comm.restore_comm_state(opt, state)
