@@ -14,6 +14,11 @@
 #             micro-batch 2 per GPU (zero3, fsdp, fsdp_mixed, deepspeed_stage_3, ddp; each in its own torchrun);
 #             needs 2 GPUs; budget min(section limit - 60 s, 480 s), so `LZ_BUDGET_S=540 bash benchmarks/run_gpu.sh lora`
 #             ends within 9 minutes; DeepSpeed comes from the carried .whl/
+#   ckpt      benchmarks/checkpoint.py --gpus 2: issue #13's checkpoint comparison on GPT-1.3B (save and load time,
+#             peak extra memory, bytes on disk of zero3, zero3_async, fsdp, deepspeed_stage_3; each in its own
+#             torchrun; checkpoints of ~16 GB under /tmp/lz_ckpt_bench, deleted as measured); needs 2 GPUs; budget
+#             min(section limit - 60 s, 480 s), so `LZ_BUDGET_S=560 bash benchmarks/run_gpu.sh ckpt` ends within 560 s;
+#             DeepSpeed comes from the carried .whl/
 #   onebit    torchrun 2 procs benchmarks/onebit.py   (skipped while that file does not exist)
 #   pipeline  torchrun 2 procs benchmarks/pipeline.py (skipped while that file does not exist)
 #   offload   benchmarks/offload.py once per '|'-separated argument list in OFFLOAD_RUNS (default: the
@@ -33,6 +38,7 @@
 # configurations that no longer fit and still prints its table), PEERS_ARGS (extra peers.py
 # arguments, e.g. "--configs zero2,zero3 --steps 20"), PEERS_PROF_ARGS (extra/overriding arguments of
 # peers2prof), LORA_ARGS (extra/overriding lora.py arguments, e.g. "--act-ckpt" or "--configs zero3,fsdp"),
+# CKPT_ARGS (extra/overriding checkpoint.py arguments, e.g. "--saves 1" or "--configs zero3,zero3_async"),
 # ONEBIT_ARGS, PIPELINE_ARGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -108,6 +114,13 @@ section_lora() {  # the whole 8B LoRA comparison; 60 s kept for a hung configura
   python3 benchmarks/lora.py --gpus 2 --write-results --out-dir "$WORK/lora" --budget-s "$budget" ${LORA_ARGS:-}
 }
 
+section_ckpt() {  # the checkpoint comparison; 60 s kept for a hung configuration's kill (peers.py: up to 50 s)
+  local budget=$(( SECTION_LIMIT - 60 < 480 ? SECTION_LIMIT - 60 : 480 ))
+  df -h /tmp
+  # shellcheck disable=SC2086
+  python3 benchmarks/checkpoint.py --gpus 2 --write-results --out-dir "$WORK/ckpt" --budget-s "$budget" ${CKPT_ARGS:-}
+}
+
 _torchrun2() {  # $1 = script, rest = its arguments
   local script=$1; shift
   if [[ ! -f $script ]]; then echo "$script missing: skipped"; return 0; fi
@@ -130,20 +143,20 @@ section_offload() {
 section_onebit() { _torchrun2 benchmarks/onebit.py ${ONEBIT_ARGS:-}; }
 section_pipeline() { _torchrun2 benchmarks/pipeline.py ${PIPELINE_ARGS:-}; }
 
-export -f section_offload section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof section_lora _torchrun2 section_onebit section_pipeline
+export -f section_offload section_ops section_gputests _peers section_peers1 section_peers2 section_peers2prof section_lora section_ckpt _torchrun2 section_onebit section_pipeline
 
 STATUS=()
 run_section() {
   local name=$1 limit
   limit=$(( $(left) - 10 ))
   if ! declare -F "section_$name" > /dev/null; then
-    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof lora onebit pipeline offload)"); return
+    STATUS+=("$name: unknown section (valid: ops gputests peers1 peers2 peers2prof lora ckpt onebit pipeline offload)"); return
   fi
   if (( limit < 30 )); then
     echo "=== $name: skipped, $(left) s of the ${BUDGET} s budget left" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (budget)"); return
   fi
-  if [[ $name == peers2 || $name == peers2prof || $name == lora || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
+  if [[ $name == peers2 || $name == peers2prof || $name == lora || $name == ckpt || $name == onebit || $name == pipeline ]] && (( NGPUS < 2 )); then
     echo "=== $name: skipped, needs 2 GPUs, this machine has $NGPUS" | tee "$OUT/$name.log"
     STATUS+=("$name: skipped (needs 2 GPUs)"); return
   fi

@@ -471,10 +471,13 @@ class GPTModule(L.LightningModule):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Checkpoints of either form load into either (keys renamed by :func:`convert_gpt_state_dict`)."""
+        """Checkpoints of either form load into either (keys renamed by :func:`convert_gpt_state_dict`).
+        A sharded checkpoint's ``state_dict`` is an empty marker (the strategy reads the pieces by
+        name): left alone, so resuming it needs the form it was saved in; ``load_from_checkpoint``
+        consolidates it first and converts as usual."""
         state = checkpoint.get("state_dict")
         model = getattr(self, "model", None)
-        if isinstance(state, Mapping) and model is not None:
+        if isinstance(state, Mapping) and len(state) and model is not None:
             to_pipeline = isinstance(model, PipelineModule)
             checkpoint["state_dict"] = convert_gpt_state_dict(state, self.config, to_pipeline=to_pipeline)
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.sharded import dcp_load, read_dcp_metadata, read_meta
+from lightning_zero.comm.compressed import COMM_STATE_KEY
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -139,6 +140,15 @@ def _optimizer_state(k: int, records: list[dict[str, Any]], values: dict[str, An
     return {"state": state, "param_groups": groups}
 
 
+def _merged_comm(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    merged = dict(per_rank[0])
+    errors: dict[int, Any] = {}
+    for state in per_rank:
+        errors.update(state.get("errors") or {})
+    merged["errors"] = errors or None
+    return merged
+
+
 def load_consolidated(path: atomic.PathLike, progress: bool = False, weights_only: bool = False) -> dict[str, Any]:
     """The sharded checkpoint at ``path`` as an ordinary Lightning checkpoint dict, in host memory."""
     meta = read_meta(path)
@@ -150,12 +160,19 @@ def load_consolidated(path: atomic.PathLike, progress: bool = False, weights_onl
     if info.get("has_optimizer_states") and not weights_only:
         for k, records in enumerate(opt_records):
             keys += _optimizer_keys(k, records, md)
+    comm_keys = {k: sorted(key for key in md.state_dict_metadata if key.startswith(f"{L.opt_prefix(k)}comm.rank"))
+                 for k in range(len(opt_records))}
+    if info.get("has_optimizer_states") and not weights_only:
+        keys += [key for ks in comm_keys.values() for key in ks]
     values = read_full(path, keys, md, progress)
     ckpt = dict(meta["lightning"])
     ckpt["state_dict"] = _weights(info, values)
     if info.get("has_optimizer_states") and not weights_only:
         shapes = {n: tuple(w["shape"]) for n, w in info["weights"].items() if "shape" in w}
         ckpt["optimizer_states"] = [_optimizer_state(k, r, values, shapes) for k, r in enumerate(opt_records)]
+        for k, ks in comm_keys.items():
+            if ks:  # a 1-bit optimizer: every rank's error feedback in one entry, as the full format has it
+                ckpt["optimizer_states"][k][COMM_STATE_KEY] = _merged_comm([values[key] for key in ks])
     return ckpt
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -175,6 +176,7 @@ class ShardedCheckpointer:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
         self._deferred: list[str] = []
+        self._lock = threading.Lock()
         self._arena = _HostArena()
         self.last_save: dict[str, float] = {}
         """Timings of the latest save (seconds): ``blocking`` (what the caller waited) and ``total``."""
@@ -273,9 +275,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             atomic.write_file(partial / atomic.META_FILE, meta_bytes, self.fsync)
             atomic.commit(partial, final, self.fsync)
-            for old in self._deferred:
-                atomic.remove(old)
-            self._deferred = []
+            self._run_deferred()
         C.barrier(self.group)
         if self.rank == 0:
             log.info("saved sharded checkpoint %s (%.2f GB from this rank) in %.2f s", final,
@@ -285,17 +285,30 @@ class ShardedCheckpointer:
         """Block until a pending async save has finished; raise its error."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except BaseException:
+                with self._lock:  # the new checkpoint is not there: keep the ones it was to replace
+                    self._deferred = []
+                raise
+            self._run_deferred()
 
     def remove(self, path: atomic.PathLike) -> None:
-        """Delete a checkpoint (rank 0); while an async save runs, after it (a deletion never leaves
-        the run without a complete checkpoint)."""
+        """Delete a checkpoint (rank 0); while an async save is outstanding, once it is on disk (a
+        deletion never leaves the run without a complete checkpoint)."""
         if self.rank != 0:
             return
-        if self._pending is not None and not self._pending.done():
-            self._deferred.append(str(path))
-            return
+        with self._lock:
+            if self._pending is not None:
+                self._deferred.append(str(path))
+                return
         atomic.remove(path)
+
+    def _run_deferred(self) -> None:
+        with self._lock:
+            todo, self._deferred = self._deferred, []
+        for old in todo:
+            atomic.remove(old)
 
     def close(self) -> None:
         self.wait()
