@@ -3,7 +3,8 @@
 Usage: torchrun --nproc-per-node N tests/pipeline/pipe_worker.py OUT NAME=SPEC [NAME=SPEC ...]
 SPEC is ``key=value`` pairs joined by ``,``: stages, micro, schedule, virtual, stage (ZeRO stage),
 blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after fit), fmt (checkpoint_format), resume (checkpoint
-at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``),
+at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``; with
+resume_stages=S it resumes with S pipeline stages),
 accumulate, precision, expect (a bad-input case: 'layers' or 'batch'; the error message is recorded).
 Rank 0 writes ``OUT/NAME.pt``.
 """
@@ -104,13 +105,15 @@ def run(name: str, spec: str, out: str) -> None:
         if "resume" in opts:
             first = sorted(f for f in os.listdir(ckpt_dir) if f.startswith("epoch=0"))[0]
             again = make_model(opts)
-            make_trainer(opts, steps, []).fit(again, ckpt_path=os.path.join(ckpt_dir, first))
+            layout = {**opts, "stages": opts.get("resume_stages", opts.get("stages", "2"))}  # another layout
+            make_trainer(layout, steps, []).fit(again, ckpt_path=os.path.join(ckpt_dir, first))
             result["resumed_losses"] = list(again.losses)
     world = int(os.environ["WORLD_SIZE"])
     gathered: list = [None] * world
     torch.distributed.all_gather_object(
         gathered,
-        {k: result.get(k) for k in ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict")},
+        {k: result.get(k) for k in ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict",
+                                    "resumed_losses")},
     )
     if int(os.environ["RANK"]) == 0:
         result["per_rank"] = gathered

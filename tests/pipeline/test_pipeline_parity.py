@@ -74,6 +74,7 @@ def two_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "p2_interleaved": "stages=2,schedule=interleaved,virtual=2,micro=4,ckpt_interval=1",
         "p2_zero0_accum": "stages=2,stage=0,micro=2,accumulate=2,steps=10,partition=uniform",
         "p2_resume": "stages=2,micro=4,resume=1",
+        "p2_resume_p1": "stages=2,micro=4,resume=1,resume_stages=1",
         "p1_zero2": "stages=1,stage=2",
         "p2_bf16": "stages=2,precision=bf16-mixed,steps=10",
         "bad_layers": "stages=2,expect=layers",
@@ -188,10 +189,18 @@ def test_checkpoint_loads_into_unpipelined_model(two_procs: dict, refs: dict, na
         assert all(s["state"] for s in opt["stages"])  # every stage's Adam moments are in the file
 
 
-def test_resume_continues_with_the_same_losses(two_procs: dict) -> None:
-    run = two_procs["p2_resume"]
-    assert len(run["resumed_losses"]) == 10
-    assert _rel(run["resumed_losses"], run["losses"][10:]) < TOL
+@pytest.mark.parametrize("name", ["p2_resume", "p2_resume_p1"])
+def test_resume_continues_with_the_same_losses(two_procs: dict, name: str) -> None:
+    """p2_resume_p1: a sharded checkpoint of 2 pipeline stages (stage 1 holds the optimizer state of
+    its layers) resumes without pipeline stages on the same 2 ranks (each holds all layers, the state
+    partitioned by ZeRO-1 instead); the keys name layers, not stages."""
+    run = two_procs[name]
+    resumed = run["resumed_losses"]
+    if name == "p2_resume_p1":  # each of the 2 data-parallel ranks now sees half of the global batch
+        halves = [r["resumed_losses"] for r in run["per_rank"]]
+        resumed = [(a + b) / 2 for a, b in zip(*halves)]
+    assert len(resumed) == 10
+    assert _rel(resumed, run["losses"][10:]) < TOL
 
 
 def test_bubble_is_reported(two_procs: dict) -> None:
