@@ -190,6 +190,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                     old.unshard_to_plain()
             self.setup_optimizers(trainer)
             self._build_engines()
+            self._reserve_async_staging()
         else:
             for engine in self._engines.values():  # validate/test/predict after fit: gather per unit again
                 if isinstance(engine, Stage3Engine):

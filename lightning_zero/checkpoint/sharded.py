@@ -120,12 +120,17 @@ class _HostArena:
     def __init__(self) -> None:
         self.buffer: Optional[Tensor] = None
 
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Have at least ``nbytes`` ready (pinning gigabytes takes seconds: done ahead of the first
+        save, in the background, by :meth:`ShardedCheckpointer.reserve`)."""
+        if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
+            self.buffer = None
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
     def stage(self, entries: dict[str, Any]) -> dict[str, Any]:
         need = sum(_aligned(t.numel() * t.element_size()) for t in _tensors(entries))
         pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(entries))
-        if self.buffer is None or self.buffer.numel() < need or (pin and not self.buffer.is_pinned()):
-            self.buffer = None
-            self.buffer = torch.empty(need, dtype=torch.uint8, pin_memory=pin)
+        self.reserve(need, pin)
         offset = 0
         out: dict[str, Any] = {}
 
@@ -280,6 +285,16 @@ class ShardedCheckpointer:
         if self.rank == 0:
             log.info("saved sharded checkpoint %s (%.2f GB from this rank) in %.2f s", final,
                      _nbytes(entries) / 1e9, time.perf_counter() - t0)
+
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Async saves: allocate the host staging buffer in the background now (the first save would
+        otherwise block on it); a later save waits for it if it is still running."""
+        if not self.async_save or nbytes <= 0:
+            return
+        self.wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lz-ckpt-async")
+        self._pending = self._pool.submit(self._arena.reserve, nbytes, pin)
 
     def wait(self) -> None:
         """Block until a pending async save has finished; raise its error."""

@@ -49,6 +49,18 @@ class CheckpointMixin:
         group = C.new_gloo_group(cfg.timeout_s) if C.is_initialized() and C.world_size() > 1 else None
         self._checkpointer = ShardedCheckpointer(group, cfg.checkpoint_threads, cfg.checkpoint_fsync, cfg.checkpoint_async)
 
+    def _reserve_async_staging(self) -> None:
+        """Async saves copy this rank's partitions into host memory: reserve it while training starts.
+        Estimate: fp32 masters three times (weights and Adam's two moments), frozen partitions once."""
+        if not self.config.checkpoint_async:  # type: ignore[attr-defined]
+            return
+        total = 0
+        for engine in self._engines.values():  # type: ignore[attr-defined]
+            total += sum(3 * fg.master.numel() * fg.master.element_size() for fg in engine.groups)
+            total += sum(fg.master.numel() * fg.master.element_size() for fg in getattr(engine, "frozen_groups", []))
+        total += sum(b.numel() * b.element_size() for b in self.lightning_module.buffers())  # type: ignore[attr-defined]
+        self.checkpointer.reserve(int(total * 1.01) + 2**20, pin=self.root_device.type == "cuda")  # type: ignore[attr-defined]
+
     @property
     def checkpointer(self) -> ShardedCheckpointer:
         if self._checkpointer is None:  # a single process never went through setup_environment's group
