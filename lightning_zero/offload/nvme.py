@@ -33,7 +33,7 @@ import shutil
 import socket
 import uuid
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -206,6 +206,23 @@ def _segments(nbytes: int) -> list[tuple[int, int]]:
     return [(off, min(SEGMENT, nbytes - off)) for off in range(0, max(nbytes, 1), SEGMENT)] if nbytes else []
 
 
+def _join(futures: list[Future], path: Path, what: str) -> list[int]:
+    """Every segment's result, once all of them have finished (the caller closes the shared file
+    descriptor next: closing it while a sibling thread still uses it means EBADF, or I/O into whatever
+    file reuses the number). The first failure is raised naming the file."""
+    wait(futures)
+    for f in futures:
+        err = f.exception()
+        if isinstance(err, SwapFileError):
+            raise err
+        if err is not None:
+            raise SwapFileError(
+                f"NVMe swap {what} of {path} failed: {err}. Training stopped (the swapped state cannot be trusted); "
+                "free the disk or fix it, then resume from the last checkpoint."
+            ) from err
+    return [f.result() for f in futures]
+
+
 @dataclass
 class SwapRecord:
     nbytes: int
@@ -244,7 +261,10 @@ class NvmeSwapper:
         if src.data_ptr() % ALIGN or capacity_bytes(src) < round_up(nbytes):
             raise ValueError("NvmeSwapper.write needs a buffer from pinned.aligned_empty")
         path = self.dir.file(name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o600)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | self._flags(), 0o600)
+        except OSError as err:
+            raise SwapFileError(f"cannot create NVMe swap file {path}: {err}") from err
         segs = _segments(nbytes)
 
         def seg_write(off: int, length: int) -> int:
@@ -259,8 +279,10 @@ class NvmeSwapper:
 
         def finish() -> None:
             try:
-                crcs = [f.result() for f in futures]
+                crcs = _join(futures, path, "write")
                 os.ftruncate(fd, nbytes)
+            except OSError as err:
+                raise SwapFileError(f"NVMe swap write of {path} failed: {err}") from err
             finally:
                 os.close(fd)
             self.records[name] = SwapRecord(nbytes, crcs)
@@ -309,7 +331,7 @@ class NvmeSwapper:
 
         def finish() -> None:
             try:
-                crcs = [f.result() for f in futures]
+                crcs = _join(futures, path, "read")
             finally:
                 os.close(fd)
             for i, (got, want) in enumerate(zip(crcs, record.crcs)):

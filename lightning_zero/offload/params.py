@@ -64,7 +64,7 @@ class NvmeParamStore(SwappedStore):
         ops = []
         for bi in range(len(self.groups[gi].layout.buckets)):
             off, n = self._chunk(gi, bi)
-            self._reads.pop((gi, bi), None)  # a read-ahead of the old values is stale now
+            self._drop_read((gi, bi))  # a read-ahead of the old values is stale now
             ops.append(self.write(gi, bi, src[off : off + n]))
         for op in ops:
             op.wait()
@@ -102,13 +102,20 @@ class NvmeParamStore(SwappedStore):
         self.fetched_bytes += staging.numel() * staging.element_size()
         return staging
 
-    def drop_reads(self) -> None:
-        for op, _ in self._reads.values():
+    def _drop_read(self, key: tuple[int, int]) -> None:
+        """Forget a read-ahead, after it finished: its threads write into the staging buffer and use
+        the file's descriptor until then (dropping it early freed the buffer under them and leaked
+        the descriptor; rewriting the file truncated it under the read)."""
+        pending = self._reads.pop(key, None)
+        if pending is not None:
             try:
-                op.wait()
+                pending[0].wait()
             except Exception:  # a stale read-ahead's error does not matter; the next real read reports it
                 pass
-        self._reads.clear()
+
+    def drop_reads(self) -> None:
+        for key in list(self._reads):
+            self._drop_read(key)
 
     # ---------------------------------------------------------------- whole partitions
     def _swap_in_all(self) -> None:

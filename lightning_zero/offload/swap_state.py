@@ -18,7 +18,7 @@ a checkpoint load replaced the optimizer's state dict).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Generator, Optional
+from typing import Any, Callable, Generator, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -157,6 +157,18 @@ class NvmeOptimizerStore(SwappedStore):
         for slot in range(RING):
             self._claim(slot)
 
+    def _settle(self, ops: Iterable[Optional[SwapOp]]) -> None:
+        """After a failure: let every outstanding read/write finish (their threads use the ring buffers
+        and hold file descriptors until then), ignoring their own errors; the first one is raised."""
+        for op in [*ops, *(o for slot in range(RING) for o in self._slot_ops[slot])]:
+            if op is None:
+                continue
+            try:
+                op.wait()
+            except Exception:  # noqa: BLE001 - the error being raised already says what failed
+                pass
+        self._slot_ops = {slot: [] for slot in range(RING)}
+
     # ---------------------------------------------------------------- whole tensors
     def write_full(self, gi: int, key: str, t: Tensor) -> None:
         """Write a resident shard-shaped tensor to its chunk files (through the ring buffers)."""
@@ -191,19 +203,23 @@ class NvmeOptimizerStore(SwappedStore):
             buf = self._buf(slot, "io", t.dtype)[: hi - lo]
             pending[ci] = self.swapper.read(name, buf) if self.swapper.has(name) else None
 
-        for ci in range(min(RING - 1, len(chunks))):
-            start(ci)
-        for ci, (lo, hi) in enumerate(chunks):
-            if ci + RING - 1 < len(chunks):
-                start(ci + RING - 1)
-            op = pending.pop(ci)
-            if (gi, ci) in self.in_memory:
-                flat[lo:hi].copy_(self._mem_chunk(gi, ci, key, t.dtype))
-            elif op is None:
-                flat[lo:hi].zero_()
-            else:
-                op.wait()
-                flat[lo:hi].copy_(self._buf(ci % RING, "io", t.dtype)[: hi - lo])
+        try:
+            for ci in range(min(RING - 1, len(chunks))):
+                start(ci)
+            for ci, (lo, hi) in enumerate(chunks):
+                if ci + RING - 1 < len(chunks):
+                    start(ci + RING - 1)
+                op = pending.pop(ci)
+                if (gi, ci) in self.in_memory:
+                    flat[lo:hi].copy_(self._mem_chunk(gi, ci, key, t.dtype))
+                elif op is None:
+                    flat[lo:hi].zero_()
+                else:
+                    op.wait()
+                    flat[lo:hi].copy_(self._buf(ci % RING, "io", t.dtype)[: hi - lo])
+        except BaseException:
+            self._settle(pending.values())
+            raise
 
     def swap_out_masters(self) -> None:
         """After the engine filled the masters: write them out and free their host memory."""
@@ -239,12 +255,23 @@ class NvmeOptimizerStore(SwappedStore):
                     ops.append(self.swapper.read(self.name(gi, ci, key), buf))
             reads[ci] = ops
 
+        try:
+            self._step_chunks(gi, grad, out, update, chunks, keys, reads, start_read)
+        except BaseException:
+            self._settle(op for ops in reads.values() for op in ops)
+            raise
+        self._has_state[gi] = True
+        self.flush()
+
+    def _step_chunks(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn, chunks: list,
+                     keys: tuple[str, ...], reads: dict[int, list[SwapOp]], start_read: Any) -> None:
         start_read(0)
         for ci, (lo, hi) in enumerate(chunks):
             if ci + 1 < len(chunks):
                 start_read(ci + 1)  # overlaps this chunk's math and the previous chunk's write
-            for op in reads.pop(ci):
+            for op in reads[ci]:  # popped once all are done: a failure settles the rest (adam_step)
                 op.wait()
+            del reads[ci]
             slot = ci % RING
             mem = (gi, ci) in self.in_memory
             m, ea, eas = (self._mem_chunk(gi, ci, k) if mem else self._buf(slot, k, torch.float32)[: hi - lo]
@@ -255,8 +282,6 @@ class NvmeOptimizerStore(SwappedStore):
                 out[lo:hi].copy_(m)
             if not mem:
                 self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
-        self._has_state[gi] = True
-        self.flush()
 
     # ---------------------------------------------------------------- checkpoints and other readers
     def _state_keys(self, gi: int) -> list[str]:
