@@ -24,6 +24,9 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_zero.zero.units import Unit
 
+_INIT_VALUE = "_lightning_zero_init_value"
+"""Attribute of a meta parameter holding the value it was created with (see params_on_meta)."""
+
 
 @contextmanager
 def params_on_meta() -> Generator[None, None, None]:
@@ -32,7 +35,12 @@ def params_on_meta() -> Generator[None, None, None]:
     def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
         if param is None or param.is_meta:
             return None
-        return nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        if not callable(getattr(module, "reset_parameters", None)):
+            # nothing could re-create this value (``nn.Parameter(torch.ones(d))`` in a norm): keep it,
+            # on the host, for materialize_modules ([Note: no uninitialised parameters])
+            setattr(meta, _INIT_VALUE, param.detach().to("cpu", copy=True))
+        return meta
 
     handle = register_module_parameter_registration_hook(to_meta)
     try:
@@ -52,17 +60,40 @@ def _modules_of(model: nn.Module, unit: Unit, units: list[Unit]) -> list[nn.Modu
     return [m for m in model.modules() if id(m) not in inside]
 
 
+class UninitializedParameterError(RuntimeError):
+    """A parameter built on the meta device that nothing initialised when it was materialised."""
+
+
 def materialize_modules(
     modules: list[nn.Module], device: torch.device, init_hook: Optional[Callable[[nn.Module], None]] = None
 ) -> None:
-    """Give every meta parameter of ``modules`` real storage and initialise it."""
+    """Give every meta parameter of ``modules`` real storage and initialise it.
+
+    [Note: no uninitialised parameters]
+    A materialised parameter gets its value from, in order: the value it was created with, kept by
+    :func:`params_on_meta` when its module has no ``reset_parameters`` (a norm's ``torch.ones``);
+    its module's ``reset_parameters()``; the LightningModule's ``zero_init_module(module)`` hook.
+    Floating-point storage starts as NaN and is checked afterwards: a parameter none of these set
+    (created on the meta device by the user, or one ``reset_parameters`` does not cover) is an error
+    naming it, never silent garbage.
+    """
     touched = []
+    fresh: list[tuple[str, nn.Parameter]] = []
     for module in modules:
         mine = False
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
+                init = getattr(p, _INIT_VALUE, None)
                 real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                with torch.no_grad():
+                    if init is not None:
+                        real.copy_(init)
+                    elif real.is_floating_point():
+                        real.fill_(float("nan"))
                 torch.utils.swap_tensors(p, real)
+                if hasattr(p, _INIT_VALUE):
+                    delattr(p, _INIT_VALUE)
+                fresh.append((f"{type(module).__name__}.{name}", p))
                 mine = True
         if mine:
             touched.append(module)
@@ -73,6 +104,15 @@ def materialize_modules(
                 reset()
             if init_hook is not None:
                 init_hook(module)
+    unset = [name for name, p in fresh if p.is_floating_point() and bool(torch.isnan(p).any())]
+    if unset:
+        raise UninitializedParameterError(
+            f"Parameter(s) {unset[:5]}{'...' if len(unset) > 5 else ''} were built on the meta device (ZeRO-3 "
+            "sharded initialisation) and nothing initialised them when they were materialised: their module has no "
+            "reset_parameters() covering them and the LightningModule's zero_init_module(module) hook did not set "
+            "them (or set NaN). Give the module a reset_parameters(), initialise them in zero_init_module, or create "
+            "them outside configure_model."
+        )
 
 
 def make_unit_materializer(

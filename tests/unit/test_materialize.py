@@ -1,0 +1,68 @@
+"""ZeRO-3 sharded initialisation never leaves a parameter uninitialised (zero/materialize.py
+[Note: no uninitialised parameters]): values a module cannot re-create are kept from construction,
+and a parameter nothing initialises is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.zero.materialize import UninitializedParameterError, materialize_modules, params_on_meta
+
+
+class ScaleNorm(nn.Module):
+    """HF-style norm: a bare parameter made with torch.ones, and no reset_parameters."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d) * 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm = ScaleNorm(d)
+        self.lin = nn.Linear(d, d)
+
+
+def test_values_without_reset_parameters_survive_meta_construction() -> None:
+    torch.manual_seed(0)
+    with params_on_meta():
+        block = Block()
+    assert all(p.is_meta for p in block.parameters())
+    materialize_modules(list(block.modules()), torch.device("cpu"))
+    assert torch.equal(block.norm.weight, torch.full((8,), 3.0))
+    assert not any(bool(torch.isnan(p).any()) for p in block.parameters())  # Linear: its reset_parameters
+    assert block.lin.weight.abs().sum() > 0
+
+
+def test_the_init_hook_may_initialise_what_nothing_else_does() -> None:
+    class Custom(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.gate = nn.Parameter(torch.empty(3, device="meta"))  # reset_parameters does not cover it
+
+    seen = []
+
+    def hook(module: nn.Module) -> None:
+        seen.append(type(module).__name__)
+        if isinstance(module, Custom):
+            module.gate.fill_(0.5)
+
+    m = Custom()
+    materialize_modules([m], torch.device("cpu"), hook)
+    assert seen == ["Custom"] and torch.equal(m.gate, torch.full((3,), 0.5))
+
+
+def test_a_parameter_nothing_initialises_is_refused_by_name() -> None:
+    class Custom(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.gate = nn.Parameter(torch.empty(3, device="meta"))
+
+    with pytest.raises(UninitializedParameterError, match=r"Custom\.gate"):
+        materialize_modules([Custom()], torch.device("cpu"))
