@@ -11,6 +11,7 @@ Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
 from __future__ import annotations
 
 import logging
+import shutil
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Generator, Optional, Union
 
@@ -35,6 +36,7 @@ from lightning_zero.checkpoint.strategy_io import CheckpointMixin
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.failures import FailureBoard, PeerWatchdog, print_once, start_watchdog
 from lightning_zero.offload.engine import OffloadSettings, offload_engine
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
@@ -94,6 +96,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self._watched: set[str] = set()
         """Step kinds whose first batch ran under stage 3's ReadWatch (read_watch.py)."""
         self._watch: Optional[ReadWatch] = None
+        self._watchdog: Optional[PeerWatchdog] = None
+        self._failed = False
+        """Set by on_exception: teardown then releases everything without a collective."""
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -168,6 +173,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout_s))
         self.dims.build_groups(self.config.timeout_s)
         self._setup_checkpointer()
+        self._failed = False
+        if self._watchdog is None:  # failures.py [Note: failing once]
+            self._watchdog = start_watchdog([self._remove_swap_dirs])
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
         if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
             self._pipeline.place(self.lightning_module)
@@ -306,13 +314,18 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Torch's error on a released ZeRO-3 parameter becomes one that says where and what to do;
-        an async checkpoint save still writing is finished first (nothing on disk is lost)."""
+        """A failure on this rank: reported in full once across ranks (failures.py [Note: failing
+        once]); teardown will release engines without collectives; an async checkpoint save still
+        writing gets a bounded wait. Torch's error on a released ZeRO-3 parameter becomes one that
+        says where and what to do."""
         self._end_watch()
-        try:
-            self.wait_for_checkpoint()
-        except Exception as e:  # the training error is the one to report; this one is logged
-            log.error("the asynchronous checkpoint save failed too: %s", e)
+        self._failed = True
+        if self._watchdog is not None:
+            self._watchdog.own_failure = True
+        if self._checkpointer is not None:
+            self._checkpointer.wait_or_abandon(timeout_s=60.0)
+        if not isinstance(exception, KeyboardInterrupt):
+            print_once(self._watchdog.board if self._watchdog is not None else FailureBoard(None, 0), exception)
         released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
         message = explain_released_read(exception, released) if released else None
         if message is not None:
@@ -522,16 +535,31 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return True
 
     # ------------------------------------------------------------------ teardown / registry
+    def _remove_swap_dirs(self) -> None:
+        """The watchdog's cleanup when a peer failed and this process is ended (no collective)."""
+        for engine in list(self._engines.values()):
+            swap = getattr(engine, "swap_dir", None)
+            path = swap() if callable(swap) else None
+            if path:
+                shutil.rmtree(path, ignore_errors=True)
+
     @override
     def teardown(self) -> None:
         self._end_watch()
-        self.wait_for_checkpoint()  # an async save still writing: the fit ends when it is on disk
-        for engine in self._engines.values():
-            engine.teardown()  # offload: finish a delayed step, release swap files
-            engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
-            if isinstance(engine, Stage3Engine) and self.lightning_module is not None:
-                engine.end_eval_step()
-                self._guards += guard_released_modules(self.lightning_module, engine)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self._failed:  # after an exception: no collective (a peer may be gone), threads joined, swap removed
+            for engine in self._engines.values():
+                engine.abandon()
+        else:
+            self.wait_for_checkpoint()  # an async save still writing: the fit ends when it is on disk
+            for engine in self._engines.values():
+                engine.teardown()  # offload: finish a delayed step, release swap files
+                engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
+                if isinstance(engine, Stage3Engine) and self.lightning_module is not None:
+                    engine.end_eval_step()
+                    self._guards += guard_released_modules(self.lightning_module, engine)
         if not self._engines:
             super().teardown()
             return

@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional
@@ -155,6 +155,23 @@ class _HostArena:
         return out
 
 
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """Run ``fn`` in a daemon thread (an executor's threads are joined at exit: a save stuck on a
+    failed peer would keep the process alive)."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="lz-ckpt-async", daemon=True).start()
+    return future
+
+
 def _aligned(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -178,7 +195,6 @@ class ShardedCheckpointer:
         self.threads = threads
         self.fsync = fsync
         self.async_save = async_save
-        self._pool: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None
         self._deferred: list[str] = []
         self._lock = threading.Lock()
@@ -227,10 +243,8 @@ class ShardedCheckpointer:
                 job()
             self.last_save = {"blocking": time.perf_counter() - t0, "total": time.perf_counter() - t0}
             return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lz-ckpt-async")
         blocking = time.perf_counter() - t0
-        self._pending = self._pool.submit(self._timed, job, t0)
+        self._pending = _in_daemon_thread(self._timed, job, t0)
         self.last_save = {"blocking": blocking}
 
     def _timed(self, job: Callable[[], None], t0: float) -> None:
@@ -292,9 +306,7 @@ class ShardedCheckpointer:
         if not self.async_save or nbytes <= 0:
             return
         self.wait()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lz-ckpt-async")
-        self._pending = self._pool.submit(self._arena.reserve, nbytes, pin)
+        self._pending = _in_daemon_thread(self._arena.reserve, nbytes, pin)
 
     def wait(self) -> None:
         """Block until a pending async save has finished; raise its error."""
@@ -325,11 +337,22 @@ class ShardedCheckpointer:
         for old in todo:
             atomic.remove(old)
 
-    def close(self) -> None:
+    def wait_or_abandon(self, timeout_s: float) -> None:
+        """After a failure: give a pending async save ``timeout_s`` to finish (it needs every rank;
+        if a peer is gone it never will: its partial directory is ignored and removed by the next
+        save), then go on without it (its thread is a daemon: the process can still exit)."""
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001 - includes the timeout
+            log.error("the asynchronous checkpoint save did not complete (%s); the previous checkpoint stands", e)
+            with self._lock:
+                self._deferred = []
+            self._pending = None
+            return
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
     # ------------------------------------------------------------------------------ load
     def load_weights(self, view: L.RankView, path: str, strict: bool, pipelined: bool,

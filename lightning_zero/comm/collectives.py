@@ -18,6 +18,24 @@ from torch import Tensor
 
 ProcessGroup = dist.ProcessGroup
 
+# [Note: current collective names]
+# torch renamed its single-tensor collectives: ``reduce_scatter_single`` / ``all_gather_single`` are the
+# current names, and ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` print a FutureWarning on
+# every call (torch 2.13) before forwarding to them. Older torch (>= 2.4, which we support) has only the
+# old names. The name is picked once by feature detection, never from version strings (a backport or a
+# nightly with the new name uses it), and looked up on ``torch.distributed`` at each call, so tests that
+# wrap torch's functions (tests/onebit/bytecount.py) see the calls. Same semantics either way: one flat
+# output, the ranks' chunks concatenated along dim 0.
+def _current_name(new: str, old: str) -> str:
+    """``new`` where this torch has it, else ``old`` (see [Note: current collective names])."""
+    return new if callable(getattr(dist, new, None)) else old
+
+
+REDUCE_SCATTER_FN = _current_name("reduce_scatter_single", "reduce_scatter_tensor")
+"""Name of the ``torch.distributed`` function :func:`reduce_scatter` calls."""
+ALL_GATHER_FN = _current_name("all_gather_single", "all_gather_into_tensor")
+"""Name of the ``torch.distributed`` function :func:`all_gather` calls."""
+
 
 class _DoneWork:
     """A finished work handle for the single-process case, so callers can always ``wait()``."""
@@ -96,7 +114,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[ProcessGroup],
     if _single(group):
         output.copy_(input)
         return _DoneWork() if async_op else None
-    return dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return getattr(dist, REDUCE_SCATTER_FN)(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[ProcessGroup], async_op: bool = False):
@@ -104,7 +122,7 @@ def all_gather(output: Tensor, input: Tensor, group: Optional[ProcessGroup], asy
     if _single(group):
         output.copy_(input)
         return _DoneWork() if async_op else None
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return getattr(dist, ALL_GATHER_FN)(output, input, group=group, async_op=async_op)
 
 
 def all_gather_list(tensors: list[Tensor], tensor: Tensor, group: Optional[ProcessGroup]) -> None:

@@ -100,6 +100,23 @@ class OffloadSettings:
         return "nvme" in (self.optimizer, self.params)
 
 
+def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Record, as ``optimizer.step()`` would, that ``optimizer`` stepped: bookkeeping only.
+
+    [Note: the LR scheduler sees the CPU step]
+    The CPU step updates the masters with the compiled Adam (after or during backward, or in the
+    delayed-update thread), not through ``optimizer.step()``. torch's LR schedulers wrap
+    ``optimizer.step`` when they are built, the wrapper sets ``optimizer._opt_called``, and a
+    scheduler's first ``step()`` without it warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()` ... PyTorch skipping the first value of the learning rate schedule": wrong
+    here (the CPU step read this step's learning rate from ``param_groups`` before Lightning stepped
+    the scheduler, torch's order), and printed on every offload run. We set the flag the wrapper would
+    have set (torch >= 2.4 reads this attribute; nothing else does); optimizer step hooks are not run,
+    as they are not for a step that torch's own optimizer never performed.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 class OffloadMixin:
     """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class."""
 
@@ -353,6 +370,7 @@ class OffloadMixin:
 
     # ---------------------------------------------------------------- the CPU step
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
+        note_optimizer_step(self.optimizer)  # see [Note: the LR scheduler sees the CPU step]
         if self._eager is not None:
             self._finish_eager(coef)
             return
@@ -500,6 +518,27 @@ class OffloadMixin:
             log.error("lightning_zero: swap files removed at teardown, their state is lost: %s", err)
         self._finalizer()
         self._swap_closed = True
+
+    def abandon(self) -> None:
+        """After a failure (this rank's or a peer's): join the background CPU step threads and remove
+        the swap files, with no collective (a peer may be gone). The state is lost; the last
+        checkpoint is what resumes."""
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            try:
+                eager.finish()
+            except Exception:  # noqa: BLE001 - the failure being handled is the one to report
+                pass
+        if self._dpu_future is not None:
+            future, self._dpu_future = self._dpu_future, None
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001
+                pass
+        if self._swapper is not None and not self._swap_closed:
+            self._swap_closed = True
+            self._finalizer()
+        super().abandon()  # type: ignore[misc]
 
     def _finish_delayed_update(self) -> None:
         """Wait for the background step and upload its result (collective on stages 1-2: every rank

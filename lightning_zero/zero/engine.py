@@ -358,6 +358,10 @@ class ZeroEngine:
         """End of a fit/validate/test (the engine stays for later checkpoints); offload finishes its
         delayed step and releases swap files here."""
 
+    def abandon(self) -> None:
+        """Teardown after a failure: no collective (a peer may be gone), nothing kept."""
+        self.remove_hooks()
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
