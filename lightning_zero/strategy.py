@@ -357,7 +357,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             }
         if self.config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
             engine_cls = offload_engine(engine_cls)
-            stage_options["offload"] = OffloadSettings.from_config(self.config, self.num_processes, self.global_rank)
+            trainer = self.lightning_module.trainer if self.lightning_module._trainer is not None else None
+            accumulate = trainer is not None and trainer.accumulate_grad_batches > 1
+            stage_options["offload"] = OffloadSettings.from_config(self.config, self.num_processes, self.global_rank,
+                                                                   accumulate=accumulate)
         dtype = self.precision_plugin.compute_dtype
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []

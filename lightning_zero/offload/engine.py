@@ -85,14 +85,17 @@ class OffloadSettings:
     step_in_backward: bool = True
     ranks_per_node: int = 1
     global_rank: int = 0
+    accumulate: bool = False
+    """Gradient accumulation over micro-batches (the trainer's ``accumulate_grad_batches > 1``): the
+    host-memory check then counts the fp32 accumulator allocated at the second micro-batch."""
 
     @classmethod
-    def from_config(cls, config: Any, ranks_per_node: int, global_rank: int) -> "OffloadSettings":
+    def from_config(cls, config: Any, ranks_per_node: int, global_rank: int, accumulate: bool = False) -> "OffloadSettings":
         return cls(
             config.offload_optimizer, config.offload_params, config.nvme_path, config.pin_memory,
             config.nvme_chunk_mb, config.nvme_io_threads, config.delayed_param_update,
             config.delayed_param_update_warmup, config.nvme_fraction, config.offload_step_in_backward,
-            ranks_per_node, global_rank,
+            ranks_per_node, global_rank, accumulate,
         )
 
     @property
@@ -136,7 +139,7 @@ class OffloadMixin:
         self._pin = can_pin(device, offload.pin_memory)
         self.host = HostPool(pin=self._pin)
         weakref.finalize(self, self.host.release)
-        self._accumulating = False
+        self._accumulating = offload.accumulate
         self._check_resources(optimizer, dp_group, compute_dtype, bucket_numel)
         self._swapper: Optional[NvmeSwapper] = None
         if offload.uses_nvme:

@@ -89,3 +89,16 @@ def test_delayed_update_needs_adam() -> None:
     model = ParityNet(optimizer="sgd")
     with pytest.raises(ValueError, match="delayed_param_update needs torch.optim.Adam/AdamW"):
         fit(steps=2, model=model, stage=2, offload_optimizer="cpu", delayed_param_update=True)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_memory_check_counts_the_accumulator(monkeypatch: pytest.MonkeyPatch, stage: int) -> None:
+    """With accumulate_grad_batches > 1 the fp32 accumulator (4 bytes per partitioned parameter,
+    allocated at the second micro-batch) is in the host-memory check before anything is allocated."""
+    needs: list[int] = []
+    monkeypatch.setattr(offload_engine, "check_host_memory", lambda need, *a, **k: needs.append(need))
+    extra = dict(offload_params="cpu") if stage == 3 else {}
+    for accumulate in (1, 2):
+        fit(steps=2, accumulate=accumulate, stage=stage, offload_optimizer="cpu", **extra)
+    trainable = sum(p.numel() for p in ParityNet().parameters() if p.requires_grad)
+    assert len(needs) == 2 and needs[1] - needs[0] >= 4 * trainable * 0.99, (needs, trainable)
