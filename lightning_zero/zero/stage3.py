@@ -151,6 +151,9 @@ class Stage3Engine(Stage2Engine):
         self._order_frozen = False
         self._last_pos: dict[int, int] = {}
         self._cursor = 0
+        self._bw_started = False
+        self._bw_cursor = -1
+        """Backward's position in the recorded order (counting down; [Note: units skipped on one rank])."""
         self.running: set[int] = set()
         """Units whose forward is executing now (read_watch.py asks)."""
         self.live_numel = 0
@@ -239,6 +242,8 @@ class Stage3Engine(Stage2Engine):
             if not self._order_frozen and torch.is_grad_enabled():
                 self.order.append(unit.index)
             self.running.add(unit.index)
+            if self._order_frozen:
+                self._catch_up_forward(unit)
             self.gather(unit)
             if self._order_frozen and self.prefetch_units > 0:
                 pos = self._cursor
@@ -272,12 +277,53 @@ class Stage3Engine(Stage2Engine):
 
         return hook
 
+    def _catch_up_forward(self, unit: Unit) -> None:
+        """[Note: units skipped on one rank] Gathers are collectives, so every rank must issue them in
+        the same sequence, but data-dependent control flow (a layer skipped, an early exit) can skip a
+        unit on one rank only. Gathers follow the recorded order: a unit entered beyond the cursor
+        means the units in between were skipped here; each is gathered anyway (a no-op when already
+        prefetched, as it usually is) and released, so the sequence of gathers, and which units are
+        gathered afterwards, is the one a rank that ran them has. Backward does the same against the
+        recorded order reversed (:meth:`_catch_up_backward`). Skipped units cost their gathers."""
+        pos = self._cursor
+        try:
+            nxt = self.order.index(unit.index, pos)
+        except ValueError:
+            return  # not in the recorded order (a unit used more often than in the first step)
+        for skipped in self.order[pos:nxt]:
+            other = self.units[skipped]
+            if skipped in self.running:
+                continue
+            self.gather(other)
+            self.release(other)
+        self._cursor = nxt
+
+    def _catch_up_backward(self, unit: Unit) -> Optional[int]:
+        """Backward's side of [Note: units skipped on one rank]: the position of ``unit`` in the
+        recorded order, searching down from the backward cursor; units in between are gathered (they
+        are released at the end of backward)."""
+        hi = self._bw_cursor
+        pos = next((i for i in range(min(hi, len(self.order) - 1), -1, -1) if self.order[i] == unit.index), None)
+        if pos is None:
+            return self._last_pos.get(unit.index)
+        for skipped in reversed(self.order[pos + 1 : hi + 1]):
+            self.gather(self.units[skipped], wait=False)
+        self._bw_cursor = pos - 1
+        return pos
+
     def _pre_backward(self, unit: Unit) -> None:
+        if self._order_frozen and not self._bw_started:
+            self._bw_started = True
+            # a unit prefetched for a forward that skipped it is still gathered on this rank only
+            # (every unit that ran was released after its forward): release it so that backward's
+            # gathers start from the same state on every rank ([Note: units skipped on one rank])
+            for idx in list(self._gathered):
+                if not self.units[idx].held_for_step:
+                    self.release(self.units[idx])
+        pos = self._catch_up_backward(unit) if self._order_frozen else None
         self.gather(unit)
-        if self._order_frozen and self.prefetch_units > 0:
-            pos = self._last_pos.get(unit.index)
-            if pos is not None:
-                self._prefetch(reversed(self.order[max(0, pos - self.prefetch_units) : pos]))
+        if self._order_frozen and self.prefetch_units > 0 and pos is not None:
+            self._prefetch(reversed(self.order[max(0, pos - self.prefetch_units) : pos]))
 
     def _on_grad_ready(self, gi: int, si: int, param: Tensor) -> None:
         first = not self._bw.ready[gi][si]
@@ -298,6 +344,8 @@ class Stage3Engine(Stage2Engine):
     def begin_step(self) -> None:
         """Gather the root unit (and resident units) for a training, validation, test or predict step."""
         self._cursor = 0
+        self._bw_cursor = len(self.order) - 1
+        self._bw_started = False
         self.running.clear()
         for unit in self.units:
             if unit.held_for_step:
