@@ -492,8 +492,9 @@ def build_module(spec: PeerConfig, args: argparse.Namespace, trainer: Trainer, c
 
     # The LR horizon is the warm-up + timed steps with or without --profile (profiled steps after it run
     # at the final LR), so a profiling run's timed steps are those of a plain run. Every configuration
-    # trains the plain GPT nn.Module (pipeline=False; the example's default wraps the same layers in a
-    # PipelineModule), so all peers run one network with the same parameter names and ZeRO-3 units.
+    # trains the plain GPT nn.Module (pipeline=False, the example's default too; pipeline=True wraps the
+    # same layers in a PipelineModule), so all peers run one network with the same parameter names and
+    # ZeRO-3 units.
     kwargs = {"fused": None if args.no_fused else True, "max_steps": args.warmup + args.steps, "pipeline": False}
     if spec.build_in == "init_module":
         empty_init = spec.empty_init_on_cuda if args.device == "cuda" else None

@@ -7,12 +7,14 @@ decay, an LR scheduler stepped every step, and optional activation checkpointing
 
 Two forms of one network, with the same layers and the same GPT-2 initialisation:
 
-* :class:`GPT`, a plain ``nn.Module`` (``blocks`` in an ``nn.ModuleList``), what the benchmarks and
-  Lightning's peers (FSDP, DeepSpeed) train;
+* :class:`GPT`, a plain ``nn.Module`` (``blocks`` in an ``nn.ModuleList``), what :class:`GPTModule`
+  trains by default: under ``ddp``/``zero0-3``, the benchmarks and Lightning's peers (FSDP, DeepSpeed);
 * :func:`gpt_pipeline`, the same layers as a :class:`lightning_zero.pipeline.PipelineModule`
   (:func:`gpt_layer_specs`: tied embedding, blocks, final LayerNorm, the embedding again as the head),
-  what :class:`GPTModule` trains by default, so that one LightningModule runs under every strategy:
-  in sequence under ``ddp``/``zero0-3``, as pipeline stages under ``strategy=pipeline``.
+  what ``GPTModule(pipeline=True)`` trains: pipeline stages under ``strategy=pipeline``
+  (``examples/train.py`` picks the form from the strategy). A PipelineModule also runs its layers in
+  sequence under the other strategies, but there it would only hide the model from Lightning's
+  summary (a ``PipelineModule`` of 0 FLOPs), so it is not the default.
 
 :class:`GPTModule` trains whichever of the two its :meth:`GPTModule._build_model` (or a subclass's
 ``configure_model``) puts in ``self.model``; its checkpoints load into either form
@@ -33,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
+from lightning_zero import ZeroStrategy
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 INIT_STD = 0.02
@@ -374,10 +377,11 @@ def lr_lambda(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
 class GPTModule(L.LightningModule):
     """Next-token cross-entropy training of the GPT, with AdamW/Adam/SGD and warm-up + cosine LR.
 
-    With ``pipeline=True`` (default) ``self.model`` is :func:`gpt_pipeline` (a PipelineModule), so the
-    same module trains under every strategy, pipeline stages included; with ``pipeline=False`` it is the
-    plain :class:`GPT`. The steps work with either, whichever ``_build_model`` (or a subclass's
-    ``configure_model``) put there. ``max_steps`` is the horizon of the cosine schedule; None takes the
+    ``self.model`` is the plain :class:`GPT` (default), or with ``pipeline=True`` :func:`gpt_pipeline`
+    (a PipelineModule, needed by pipeline stages). The steps work with either, whichever
+    ``_build_model`` (or a subclass's ``configure_model``) put there. The plain form has an
+    ``example_input_array`` (one sequence of token ids), so Lightning's model summary measures its
+    FLOPs and shapes. ``max_steps`` is the horizon of the cosine schedule; None takes the
     trainer's estimate at ``configure_optimizers`` time. The module exposes ``flops_per_token`` for
     :class:`lightning_zero.logging.ZeroMetrics`.
     """
@@ -395,7 +399,7 @@ class GPTModule(L.LightningModule):
         momentum: float = OptimConfig.momentum,
         fused: Optional[bool] = OptimConfig.fused,
         min_lr_ratio: float = OptimConfig.min_lr_ratio,
-        pipeline: bool = True,
+        pipeline: bool = False,
         freeze_fraction: float = OptimConfig.freeze_fraction,
     ) -> None:
         super().__init__()
@@ -418,6 +422,29 @@ class GPTModule(L.LightningModule):
         )
         self.flops_per_token = flops_per_token(self.config)
         self.model = self._build_model()
+
+    @property  # type: ignore[override]
+    def example_input_array(self) -> Optional[Tensor]:
+        """What Lightning's model summary runs through ``forward`` on every rank before training, to
+        measure FLOPs and shapes: one sequence of token ids for the plain :class:`GPT` (so the summary
+        does not report 0 FLOPs). None, and the FLOPs column stays unmeasured (Lightning prints 0),
+        where a model call outside the step methods cannot run: the pipeline form (its forward is the
+        schedule between stages) and ZeRO-3's partitioned parameters (gathered only inside steps;
+        gathering the whole model here could exceed a rank's memory). A value set explicitly wins."""
+        if self._example_input_array is not None:
+            return self._example_input_array
+        if not isinstance(getattr(self, "model", None), GPT) or self._params_partitioned():
+            return None
+        return torch.zeros((1, self.config.seq_len), dtype=torch.long)
+
+    @example_input_array.setter
+    def example_input_array(self, example: Optional[Tensor]) -> None:
+        self._example_input_array = example
+
+    def _params_partitioned(self) -> bool:
+        """Whether the trainer's strategy releases parameters between steps (ZeRO stage 3)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return isinstance(strategy, ZeroStrategy) and strategy.config.stage == 3
 
     def zero_init_module(self, module: nn.Module) -> None:
         """GPT-2 initialisation of one module, for ZeRO-3's sharded construction.

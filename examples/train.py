@@ -6,7 +6,8 @@
     python examples/train.py strategy=pipeline                 # the same GPTModule as 2 pipeline stages x zero1
     python examples/train.py --cfg job                         # print the composed config and exit
 
-Each run writes to ``runs/<date>/<time>/`` (config, logs, TensorBoard events in ``tb/``, checkpoints).
+Each run writes to ``runs/<date>/<time>/``: the config (``.hydra/``), TensorBoard events (``tb/``),
+checkpoints, and ``train.log``, what the run did (run_log.py; other ranks' files hold their own messages).
 Lightning starts the extra local processes by re-running this script with Hydra's run dir pinned, so
 every rank composes the same config. For sweeps over multi-process jobs, launch each job with
 torchrun or SLURM rather than Hydra's ``-m`` (Lightning's re-launch and multirun do not mix well).
@@ -29,8 +30,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from data import DataConfig, TextDataModule
 from gpt import GPTConfig, GPTModule, OptimConfig
+from lightning_zero import ZeroStrategy
 from lightning_zero.config.hydra import RunConfig, register_configs, trainer_kwargs
 from lightning_zero.logging import ZeroMetrics
+from run_log import RunLog, log, share_file_handlers
 
 
 @dataclass
@@ -50,13 +53,16 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule]:
     run: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]  (runs the dataclasses' checks)
     L.seed_everything(run.seed, workers=True)
 
+    strategy = instantiate(cfg.strategy, _convert_="all")
     optim = asdict(run.optimizer)
-    model = GPTModule(model=run.model, max_steps=run.trainer.max_steps, optimizer=optim.pop("name"), **optim)
+    model = GPTModule(
+        model=run.model, max_steps=run.trainer.max_steps, optimizer=optim.pop("name"), pipeline=pipelined(strategy),
+        **optim,
+    )
     data = TextDataModule(**asdict(run.data))
 
-    strategy = instantiate(cfg.strategy, _convert_="all")
     logger = instantiate(cfg.logger, _convert_="all") if cfg.logger is not None else False
-    callbacks: list[Callback] = []
+    callbacks: list[Callback] = [RunLog()]
     if run.metrics.enabled:
         metrics = run.metrics
         callbacks.append(ZeroMetrics(log_every_n_steps=metrics.log_every_n_steps, peak_flops=metrics.peak_flops))
@@ -76,15 +82,22 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule]:
     return trainer, model, data
 
 
+def pipelined(strategy: object) -> bool:
+    """Whether the strategy runs pipeline stages: only then is the GPT built as a PipelineModule
+    (otherwise the plain module, which Lightning's summary can describe: its type, FLOPs, shapes)."""
+    return isinstance(strategy, ZeroStrategy) and strategy.config.pipeline_stages > 1
+
+
 @rank_zero_only
 def _announce(cfg: DictConfig, message: str) -> None:
     choices: dict[str, Optional[str]] = dict(HydraConfig.get().runtime.choices)
     picked = " ".join(f"{k}={v}" for k, v in choices.items() if not k.startswith(("hydra", "schema")))
-    print(f"[train] {message}: {picked} | run dir {cfg.run_dir}", flush=True)
+    log.info(f"{message}: {picked} | run dir {cfg.run_dir}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Any:
+    share_file_handlers()  # Lightning's messages into this rank's log file too (run_log.py says why)
     trainer, model, data = build(cfg)
     _announce(cfg, "start")
     start = time.perf_counter()

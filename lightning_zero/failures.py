@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from types import TracebackType
@@ -93,6 +94,25 @@ def print_once(board: FailureBoard, exc: BaseException) -> None:
     sys.excepthook = hook
 
 
+def hold_sigterm() -> None:
+    """While a failed rank cleans up (on_exception to teardown), a launcher's SIGTERM must not cut
+    it short: Lightning's own SIGTERM handler broadcasts to the peers (raising, since one is gone)
+    inside whatever runs, e.g. the removal of NVMe swap files. The signal is noted and ignored; the
+    process exits with the original error right after, and Lightning's signal connector restores the
+    previous handlers at the end of teardown."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def noted(signum: int, frame: object) -> None:
+        print("[lightning_zero] SIGTERM received while cleaning up after a failure; exiting once done",
+              file=sys.stderr, flush=True)
+
+    try:
+        signal.signal(signal.SIGTERM, noted)
+    except (ValueError, OSError):  # not settable here (embedded interpreters)
+        pass
+
+
 class PeerWatchdog(threading.Thread):
     """Ends this process when another rank failed and this one did not end within ``grace_s``."""
 
@@ -139,5 +159,5 @@ def start_watchdog(cleanups: list[Callable[[], None]]) -> Optional[PeerWatchdog]
     return dog
 
 
-__all__ = ["FailureBoard", "PeerWatchdog", "print_once", "start_watchdog"]
+__all__ = ["FailureBoard", "PeerWatchdog", "hold_sigterm", "print_once", "start_watchdog"]
 

@@ -36,7 +36,7 @@ from lightning_zero.checkpoint.strategy_io import CheckpointMixin
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
-from lightning_zero.failures import FailureBoard, PeerWatchdog, print_once, start_watchdog
+from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
 from lightning_zero.offload.engine import OffloadSettings, offload_engine
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
@@ -320,6 +320,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         says where and what to do."""
         self._end_watch()
         self._failed = True
+        hold_sigterm()  # the cleanup below and in teardown runs to its end
         if self._watchdog is not None:
             self._watchdog.own_failure = True
         if self._checkpointer is not None:

@@ -193,6 +193,15 @@ class SwapDir:
         return self.path / f"{name}{SUFFIX}"
 
     def remove(self) -> None:
+        """Swap files first, the OWNER marker last: a removal cut short (the process killed) leaves a
+        directory that :func:`clean_stale` still recognises as a dead run's and removes at the next start."""
+        if self.path.is_dir():
+            for child in self.path.iterdir():
+                if child.name != OWNER:
+                    if child.is_dir():
+                        shutil.rmtree(child, ignore_errors=True)
+                    else:
+                        child.unlink(missing_ok=True)
         shutil.rmtree(self.path, ignore_errors=True)
 
 

@@ -1,7 +1,8 @@
 """``python -m lightning_zero.ops report|build [--ops a,b] [--verbose]``.
 
-report: the toolchain, then a table of every op (compatible, built, where
-from, why not); it never compiles anything. build: JIT-build every compatible
+report: the toolchain, then a table of every op (runs here, builds here,
+built, where from, why not and what runs instead), then which ops this machine
+runs compiled; it never compiles anything. build: JIT-build every compatible
 op now (e.g. in a Docker image), so that later runs need no compiler and can
 set LIGHTNING_ZERO_DISABLE_JIT=1; exits 1 if a compatible op fails to build.
 """
@@ -12,7 +13,7 @@ import argparse
 import sys
 
 from lightning_zero.ops.registry import OPS
-from lightning_zero.ops.report import build_all, environment_lines, render_table
+from lightning_zero.ops.report import build_all, environment_lines, render_table, summary_lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, outcome in results:
             print(f"{name}: {outcome}")
         print()
-        print(render_table([op.status() for op in ops]))
+        _print_table(ops)
         return 1 if any(outcome.startswith("FAILED") for _, outcome in results) else 0
-    print(render_table([op.status() for op in ops]))
+    _print_table(ops)
     return 0
+
+
+def _print_table(ops: list) -> None:
+    rows = [op.status() for op in ops]
+    print(render_table(rows))
+    print()
+    for line in summary_lines(rows):
+        print(line)
 
 
 if __name__ == "__main__":

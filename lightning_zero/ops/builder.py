@@ -68,13 +68,24 @@ class BuildCache:
 
 @dataclass(frozen=True)
 class OpStatus:
-    """One row of ``python -m lightning_zero.ops report``."""
+    """One row of ``python -m lightning_zero.ops report``.
+
+    ``compatible`` says the op can be built (or is prebuilt) here, ``runs`` that it can also *run*
+    here: a CUDA op compiles on a CPU-only machine with nvcc (CI's compile check), but runs only
+    where torch sees a GPU its build covers. Where its device exists but the op cannot run,
+    ``fallback`` runs instead; without the device (``device_present`` False) nothing needs it.
+    """
 
     name: str
     compatible: bool
     built: bool
     origin: str
     reason: str
+    device: str = "cpu"
+    device_present: bool = True
+    runs: bool = False
+    runs_reason: str = ""
+    fallback: str = ""
 
 
 def csrc_root() -> Path | None:
@@ -139,6 +150,8 @@ class OpBuilder:
     """
 
     name: ClassVar[str]
+    #: Where the op's kernels run: "cpu", or "cuda" (CUDAOpBuilder).
+    device: ClassVar[str] = "cpu"
     #: C++ sources relative to ``csrc/``, compiled by torch's JIT (the binding and CPU kernels).
     sources: ClassVar[tuple[str, ...]]
     #: What replaces this op when it is unavailable (shown in the warning and the report).
@@ -161,6 +174,14 @@ class OpBuilder:
     def key_parts(self) -> list[str]:
         """Strings that, besides sources and flags, change the binary."""
         return []
+
+    def runtime_check(self) -> tuple[bool, str]:
+        """What running the op needs beyond a library that loads (CUDA ops: a GPU the build covers)."""
+        return True, ""
+
+    def device_present(self) -> bool:
+        """Whether this machine has the device the op computes on (without it, nothing needs the op)."""
+        return True
 
     # ------------------------------------------------------------ locations
     def source_paths(self) -> list[Path] | None:
@@ -269,7 +290,11 @@ class OpBuilder:
         built = self.cache.module is not None or (ok and self.library_path().exists())
         origin = self.cache.origin or (f"prebuilt {self.library_path()}" if built else "-")
         reason = self.cache.error or why
-        return OpStatus(self.name, ok and self.cache.error is None, built, origin, reason)
+        compatible = ok and self.cache.error is None
+        can_run, why_not = self.runtime_check()  # the machine first: without a GPU, a CUDA op's build is moot
+        runs, runs_reason = compatible and can_run, (reason if can_run else why_not)
+        return OpStatus(self.name, compatible, built, origin, reason, self.device, self.device_present(), runs,
+                        runs_reason, self.fallback)
 
     def reset(self) -> None:
         """Forget this process's load attempt (tests, or after fixing the toolchain)."""
@@ -309,7 +334,35 @@ def cpu_openmp_flags() -> list[str]:
 class CUDAOpBuilder(OpBuilder):
     """An op with torch-free ``.cu`` kernels compiled by nvcc (see [Note: torch-free CUDA kernels])."""
 
+    device: ClassVar[str] = "cuda"
     cuda_sources: ClassVar[tuple[str, ...]]
+
+    def runtime_check(self) -> tuple[bool, str]:
+        """A CUDA build of torch, a visible GPU, and every visible GPU covered by the arch list the
+        library is (or would be) built for. ``is_compatible`` only says it can be built: on a CPU-only
+        machine with nvcc it can, and must not be reported as usable."""
+        import torch
+
+        if torch.version.cuda is None:
+            return False, f"torch {torch.__version__} is a CPU-only build (no CUDA)"
+        if not torch.cuda.is_available():
+            return False, "no CUDA GPU visible"
+        spec, _ = cuda_arch.resolve_arch_list()
+        for index in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(index)
+            try:
+                covered = cuda_arch.covers(spec, cap)
+            except ValueError as exc:  # a bad TORCH_CUDA_ARCH_LIST: nothing is built for it
+                return False, str(exc)
+            if not covered:
+                return False, (f"built for {spec!r}, which does not run on GPU {index} (compute capability "
+                               f"{cap[0]}.{cap[1]}); set {cuda_arch.ENV_ARCH_LIST}")
+        return True, ""
+
+    def device_present(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
 
     def _all_sources(self) -> tuple[str, ...]:
         return (*self.sources, *self.cuda_sources)

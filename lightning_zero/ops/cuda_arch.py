@@ -47,6 +47,25 @@ class CudaArch:
             flags.append(f"-gencode=arch=compute_{self.code},code=compute_{self.code}")
         return flags
 
+    @property
+    def capability(self) -> tuple[int, int]:
+        digits = self.code.rstrip("af")
+        return int(digits[:-1]), int(digits[-1])
+
+    def runs_on(self, capability: tuple[int, int]) -> bool:
+        """Whether code compiled for this arch runs on a GPU of ``capability`` (major, minor).
+
+        CUDA's rules: machine code for ``sm_XY`` runs on X.Z with Z >= Y (the family suffix ``f`` too),
+        arch-specific code (``a``) only on X.Y itself; embedded PTX is JIT-compiled by the driver for
+        any newer GPU (arch-specific PTX again only for X.Y).
+        """
+        own = self.capability
+        if self.code.endswith("a"):
+            return capability == own
+        if self.ptx and capability >= own:
+            return True
+        return capability[0] == own[0] and capability[1] >= own[1]
+
 
 def parse_arch_list(spec: str) -> list[CudaArch]:
     """Parse an arch list; raise ``ValueError`` naming the first bad token."""
@@ -96,6 +115,11 @@ def resolve_arch_list() -> tuple[str, str]:
 
 def gencode_flags(spec: str) -> list[str]:
     return [flag for arch in parse_arch_list(spec) for flag in arch.gencode_flags()]
+
+
+def covers(spec: str, capability: tuple[int, int]) -> bool:
+    """Whether a build for arch list ``spec`` runs on a GPU of ``capability`` (see CudaArch.runs_on)."""
+    return any(arch.runs_on(capability) for arch in parse_arch_list(spec))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
-"""What ``python -m lightning_zero.ops report|build`` prints: the toolchain and one row per op."""
+"""What ``python -m lightning_zero.ops report|build`` prints: the toolchain, one row per op (does it
+run here, can it be built here), and which ops this machine will run compiled."""
 
 from __future__ import annotations
-
-
 
 from lightning_zero.ops import builder, cuda_arch
 from lightning_zero.ops.builder import OpBuilder, OpStatus, OpUnavailableError
@@ -31,13 +30,50 @@ def environment_lines() -> list[str]:
     ]
 
 
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _notes(row: OpStatus) -> str:
+    if row.runs:
+        return row.reason or "-"
+    why = row.runs_reason or row.reason
+    if not row.device_present:
+        return f"{why}: not used on this machine"
+    return f"{why}; falls back to {row.fallback}" if row.fallback else why
+
+
 def render_table(rows: list[OpStatus]) -> str:
-    """A markdown table: op, compatible, built, where from, why not."""
-    lines = ["| op | compatible | built | from | why not / notes |", "| --- | --- | --- | --- | --- |"]
+    """A markdown table: op, device, runs here, builds here, built, where from, notes.
+
+    "runs here" is what a user needs (does this machine use the compiled op?); "builds here" is the
+    compile check (a CUDA op builds on a CPU-only machine with nvcc, but does not run there). Where the
+    op does not run, the notes say why, and what replaces it where its device exists.
+    """
+    lines = [
+        "| op | device | runs here | builds here | built | from | why not / notes |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in rows:
-        yes = {True: "yes", False: "no"}
-        lines.append(f"| {row.name} | {yes[row.compatible]} | {yes[row.built]} | {row.origin} | {row.reason or '-'} |")
+        lines.append(
+            f"| {row.name} | {row.device} | {_yes(row.runs)} | {_yes(row.compatible)} | {_yes(row.built)} "
+            f"| {row.origin} | {_notes(row)} |"
+        )
     return "\n".join(lines)
+
+
+def summary_lines(rows: list[OpStatus]) -> list[str]:
+    """What this machine will actually run: the compiled ops, the fallbacks, the ops it has no use for."""
+    runs = [row.name for row in rows if row.runs]
+    falls = [row.name for row in rows if not row.runs and row.device_present]
+    unused = [row for row in rows if not row.runs and not row.device_present]
+    lines = [f"Runs compiled on this machine: {', '.join(runs) if runs else 'none'}."]
+    if falls:
+        lines.append(f"Runs a slower fallback instead (see notes): {', '.join(falls)}.")
+    if unused:
+        devices = " or ".join(sorted({row.device.upper() for row in unused}))
+        lines.append(f"Not used here (no {devices} device): {', '.join(row.name for row in unused)}.")
+    return lines
 
 
 def build_all(ops: list[OpBuilder], verbose: bool = False) -> list[tuple[str, str]]:
@@ -50,7 +86,8 @@ def build_all(ops: list[OpBuilder], verbose: bool = False) -> list[tuple[str, st
             continue
         try:
             op.load(verbose=verbose)
-            results.append((op.name, f"ok ({op.cache.origin})"))
+            runs, why = op.runtime_check()
+            results.append((op.name, f"ok ({op.cache.origin})" + ("" if runs else f"; does not run here: {why}")))
         except OpUnavailableError as exc:
             results.append((op.name, f"FAILED: {exc}"))
     return results

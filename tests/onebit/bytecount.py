@@ -36,7 +36,9 @@ _RULES: dict[str, tuple[int, Callable[[int], float]]] = {
     "all_reduce": (0, lambda n: 2.0 * (n - 1) / n),
     "all_to_all_single": (1, lambda n: (n - 1) / n),
     "reduce_scatter_tensor": (1, lambda n: (n - 1) / n),
+    "reduce_scatter_single": (1, lambda n: (n - 1) / n),  # torch's current name (collectives.py)
     "all_gather_into_tensor": (1, lambda n: float(n - 1)),
+    "all_gather_single": (1, lambda n: float(n - 1)),
     "all_gather": (1, lambda n: float(n - 1)),
     "broadcast": (0, lambda n: 1.0),
     "send": (0, lambda n: 1.0),
@@ -62,6 +64,8 @@ def count_collectives() -> Iterator[Counter]:
         return wrapped
 
     for name, (arg, factor) in _RULES.items():
+        if not hasattr(c10d, name):  # a name this torch does not have (yet, or any more)
+            continue
         fn = getattr(c10d, name)
         for module in (dist, c10d):
             originals[(module, name)] = getattr(module, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from lightning_zero.comm import collectives as C
 from tests.onebit.launch import torchrun
 
 
@@ -45,7 +46,7 @@ def test_compression_phase_bytes_per_step(runs: dict, kind: str) -> None:
     assert comp["wire"] <= comp["plain_wire"] / 12, comp
     names = [name for name, _ in comp["calls"]]
     # per param group one all-to-all + one all-gather; the only all-reduce is the 4-byte grad norm
-    assert names.count("all_to_all_single") == names.count("all_gather_into_tensor") == 2
+    assert names.count("all_to_all_single") == names.count(C.ALL_GATHER_FN) == 2
     assert [n for name, n in comp["calls"] if name == "all_reduce"] == [4]
     # in warm-up the engine all-reduces the (fp32 here) gradients in full
     assert sum(n for name, n in warm["calls"] if name == "all_reduce") >= 4 * warm["momentum_numel"]

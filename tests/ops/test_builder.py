@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_zero.ops import OPS, get_op
 from lightning_zero.ops.builder import csrc_root
@@ -76,7 +77,9 @@ def test_everything_works_with_the_compiler_hidden(hide: dict[str, str], tmp_pat
     expected = "no C++ compiler" if "CXX" in hide else "JIT disabled by LIGHTNING_ZERO_DISABLE_JIT=1"
     assert all(expected in w for w in fallbacks)
     report = _run({**hide, "LIGHTNING_ZERO_BUILD_DIR": str(tmp_path)}, "report")
-    assert report.returncode == 0 and "| cpu_adam | no | no |" in report.stdout and expected in report.stdout
+    assert report.returncode == 0 and "| cpu_adam | cpu | no | no | no |" in report.stdout
+    assert expected in report.stdout and "falls back to torch's fused CPU Adam" in report.stdout
+    assert "Runs a slower fallback instead (see notes): cpu_adam, sign_pack_cpu." in report.stdout
 
 
 def test_prebuilt_ops_load_without_compiler(cpu_adam_op: object, sign_pack_cpu_op: object) -> None:
@@ -95,6 +98,67 @@ def test_report_cli_lists_every_op() -> None:
     for name in OPS:
         assert f"| {name} |" in proc.stdout
     assert "TORCH_CUDA_ARCH_LIST" in proc.stdout or "CUDA arch list" in proc.stdout
+
+
+def _row(stdout: str, name: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if line.startswith(f"| {name} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the report of a machine without a GPU")
+def test_report_says_what_runs_on_a_machine_without_gpu() -> None:
+    """Issue #14: the report called the CUDA ops "compatible" on a machine without a GPU. They may well
+    build here (nvcc, CI's compile check), but they do not run: the report says so, and why."""
+    proc = _run({}, "report")
+    assert proc.returncode == 0, proc.stderr
+    header = _row(proc.stdout, "op")
+    assert header[:5] == ["op", "device", "runs here", "builds here", "built"] and "compatible" not in header
+    for name, op in OPS.items():
+        row = dict(zip(header, _row(proc.stdout, name)))
+        assert row["device"] == op.device
+        if op.device == "cuda":
+            assert row["runs here"] == "no", row
+            assert "no CUDA" in row["why not / notes"] or "no CUDA GPU visible" in row["why not / notes"], row
+            assert "not used on this machine" in row["why not / notes"], row
+        else:
+            assert row["runs here"] == row["builds here"], row  # built on first use where it can be built
+    cuda = [name for name, op in OPS.items() if op.device == "cuda"]
+    assert f"Not used here (no CUDA device): {', '.join(cuda)}." in proc.stdout
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: capability)
+
+
+@pytest.mark.parametrize(
+    ("arch_list", "runs"),
+    [("9.0", True), ("8.0;9.0+PTX", True), ("8.0+PTX", True), ("8.0", False), ("9.0a", True), ("10.0", False)],
+)
+def test_cuda_op_runs_only_on_a_gpu_its_build_covers(
+    monkeypatch: pytest.MonkeyPatch, arch_list: str, runs: bool
+) -> None:
+    """With a (faked) H100/H200, compute capability 9.0: the op runs where the arch list covers it."""
+    _fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch_list)
+    ok, why = type(get_op("fused_adam"))().runtime_check()
+    assert ok == runs, why
+    if not runs:
+        assert "9.0" in why and arch_list in why and "TORCH_CUDA_ARCH_LIST" in why
+
+
+def test_cuda_op_row_with_a_gpu_but_no_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU is there but the op cannot be built: it does not run, and its fallback does."""
+    _fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0")
+    builder = type(get_op("fused_adam"))()
+    monkeypatch.setattr(builder, "is_compatible", lambda: (False, "nvcc not found"))
+    status = builder.status()
+    assert status.device_present and not status.runs and not status.compatible
+    table = render_table([status])
+    assert "| fused_adam | cuda | no | no |" in table and "nvcc not found; falls back to a Triton kernel" in table
 
 
 def test_bad_arch_list_makes_cuda_ops_incompatible_not_crash(monkeypatch: pytest.MonkeyPatch) -> None:

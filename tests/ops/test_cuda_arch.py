@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_zero.ops.cuda_arch import CudaArch, gencode_flags, parse_arch_list, resolve_arch_list
+from lightning_zero.ops.cuda_arch import CudaArch, covers, gencode_flags, parse_arch_list, resolve_arch_list
 
 
 @pytest.mark.parametrize(
@@ -44,3 +44,23 @@ def test_gencode_flags() -> None:
 def test_env_var_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
     assert resolve_arch_list() == ("9.0a", "TORCH_CUDA_ARCH_LIST")
+
+
+@pytest.mark.parametrize(
+    ("spec", "capability", "runs"),
+    [
+        ("9.0", (9, 0), True),
+        ("8.0", (8, 6), True),  # machine code runs on later minors of its major
+        ("8.6", (8, 0), False),
+        ("8.0", (9, 0), False),  # ... not on a later major
+        ("8.0+PTX", (9, 0), True),  # PTX is JIT-compiled for newer GPUs
+        ("9.0+PTX", (8, 9), False),
+        ("9.0a", (9, 0), True),
+        ("9.0a", (9, 1), False),  # arch-specific: that GPU only
+        ("12.0f", (12, 1), True),
+        ("8.0;9.0+PTX", (12, 0), True),
+        ("Hopper", (10, 0), True),
+    ],
+)
+def test_covers(spec: str, capability: tuple[int, int], runs: bool) -> None:
+    assert covers(spec, capability) == runs

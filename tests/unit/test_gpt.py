@@ -1,5 +1,6 @@
 """The example GPT: shapes, real weight tying, activation checkpointing, FLOPs formula, param groups;
-its PipelineModule form (what GPTModule trains by default): same function as the plain GPT, GPT-2
+GPTModule trains the plain GPT unless asked for pipeline stages, and Lightning's model summary names
+it and measures its FLOPs (issue #14); its PipelineModule form: same function as the plain GPT, GPT-2
 initialisation (also through ZeRO-3's ``zero_init_module``), checkpoints loadable into either form,
 and training under non-pipeline strategies in one process."""
 
@@ -172,9 +173,9 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_default_module_is_the_same_network_as_a_pipeline(tie: bool) -> None:
+def test_pipeline_form_is_the_same_network(tie: bool) -> None:
     cfg = replace(TINY, tie_weights=tie)
-    module = GPTModule(model=cfg)
+    module = GPTModule(model=cfg, pipeline=True)
     assert isinstance(module.model, PipelineModule) and module.hparams["pipeline"] is True
     assert module.model.num_layers == cfg.n_layer + 3
     plain = GPT(cfg)
@@ -237,8 +238,8 @@ def test_zero_init_module_initialises_every_module_gpt2_style(pipeline: bool) ->
 
 
 def test_checkpoints_load_into_either_form() -> None:
-    pipe, plain = GPTModule(model=TINY), GPTModule(model=TINY, pipeline=False)
-    assert isinstance(plain.model, GPT)
+    pipe, plain = GPTModule(model=TINY, pipeline=True), GPTModule(model=TINY)
+    assert isinstance(plain.model, GPT) and isinstance(pipe.model, PipelineModule)
     for src, dst in ((plain, pipe), (pipe, plain)):
         checkpoint = {"state_dict": src.state_dict()}
         dst.on_load_checkpoint(checkpoint)
@@ -277,7 +278,7 @@ def test_pipeline_gpt_trains_alike_under_non_pipeline_strategies(tmp_path: Path)
     runs = {}
     for name, strategy in (("single", "auto"), ("zero2", ZeroStrategy(stage=2)), ("zero3", ZeroStrategy(stage=3))):
         torch.manual_seed(0)
-        module = GPTModule(model=TINY, lr=1e-2, warmup_steps=1, max_steps=3)
+        module = GPTModule(model=TINY, lr=1e-2, warmup_steps=1, max_steps=3, pipeline=True)
         trainer, losses = _fit_one_process(module, strategy)
         runs[name] = (trainer, module, losses)
     ref = runs["single"][2]
@@ -356,3 +357,52 @@ def test_onebit_presets_train_under_zero0_and_are_refused_elsewhere() -> None:
     assert isinstance(t.optimizers[0], OneBitAdam) and t.optimizers[0].freeze_step == 1  # 15% of 4 steps, at least 1
     with pytest.raises(ValueError, match="zero0"):
         trainer(2).fit(GPTModule(model=cfg, optimizer="onebit_lamb", max_steps=4), loader)
+
+
+def test_default_module_is_the_plain_gpt_and_its_summary_is_honest() -> None:
+    """Issue #14: the example's ModelSummary called a plain zero2 run's model a PipelineModule with 0
+    FLOPs. The default GPTModule holds the plain GPT, and its example input lets Lightning's summary
+    measure the forward FLOPs (close to the analytic count: the formula also counts LayerNorm
+    parameters and biases, which do no matmul)."""
+    from lightning.pytorch.utilities.model_summary import summarize
+
+    cfg = replace(TINY, seq_len=32)
+    module = GPTModule(model=cfg)
+    assert isinstance(module.model, GPT) and module.hparams["pipeline"] is False
+    summary = summarize(module)
+    assert summary.layer_types == ["GPT"]
+    forward = flops_per_token(cfg) * cfg.seq_len / 3  # one sequence, forward only (1/3 of 6N + attention)
+    assert 0.75 * forward < summary.total_flops <= forward
+    assert "PipelineModule" not in str(summary)
+    # where a model call outside the step methods cannot run, nothing is measured (and nothing hangs)
+    assert GPTModule(model=cfg, pipeline=True).example_input_array is None
+    explicit = GPTModule(model=cfg)
+    explicit.example_input_array = torch.zeros((2, 8), dtype=torch.long)
+    assert explicit.example_input_array.shape == (2, 8)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_summary_runs_under_zero_stages(stage: int) -> None:
+    """The summary's forward runs on every rank before training: measured under stage 2, skipped under
+    stage 3 (parameters are gathered only inside steps), and the run trains either way."""
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from lightning_zero import ZeroStrategy
+
+    class Probe(ModelSummary):
+        def summarize(self, summary_data: Any, total_parameters: int, *args: Any, total_flops: int = 0,
+                      **kwargs: Any) -> None:
+            self.seen = (dict(summary_data)["Type"], total_parameters, total_flops)
+
+    probe = Probe()
+    module = GPTModule(model=TINY, lr=1e-2, warmup_steps=1, max_steps=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=stage), max_steps=2, logger=False,
+        callbacks=[probe], enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+    )
+    data = WindowDataset(torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(0)), 16, 16)
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=4))
+    types, params, flops = probe.seen
+    assert types == ["GPT"] and params == sum(p.numel() for p in GPT(TINY).parameters())
+    assert (flops > 0) == (stage < 3)
+    assert trainer.global_step == 2
