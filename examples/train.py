@@ -54,6 +54,7 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule]:
     L.seed_everything(run.seed, workers=True)
 
     strategy = instantiate(cfg.strategy, _convert_="all")
+    check_optimizer_fits_strategy(run.optimizer.name, strategy)
     optim = asdict(run.optimizer)
     model = GPTModule(
         model=run.model, max_steps=run.trainer.max_steps, optimizer=optim.pop("name"), pipeline=pipelined(strategy),
@@ -80,6 +81,22 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule]:
         **trainer_kwargs(OmegaConf.to_container(cfg.trainer, resolve=True)),  # type: ignore[arg-type]
     )
     return trainer, model, data
+
+
+def check_optimizer_fits_strategy(name: str, strategy: object) -> None:
+    """A 1-bit optimizer under a ZeRO stage it cannot use is refused here, before any process starts
+    (the strategy would refuse it too, but only once every rank has launched and built the model)."""
+    if name not in ("onebit_adam", "onebit_lamb") or not isinstance(strategy, ZeroStrategy):
+        return
+    from lightning_zero.optim import OneBitAdam, OneBitLamb
+
+    cls = OneBitAdam if name == "onebit_adam" else OneBitLamb
+    stages = list(cls.supported_zero_stages)
+    if strategy.config.stage not in stages:
+        raise ValueError(
+            f"optimizer={name} averages momentum with compressed communication, which works with ZeRO stage(s) "
+            f"{stages} only; strategy has stage {strategy.config.stage}. Use strategy=zero{stages[0]}, or another optimizer."
+        )
 
 
 def pipelined(strategy: object) -> bool:

@@ -112,6 +112,15 @@ def test_invalid_stage_fails_before_training(hydra_ctx: None) -> None:
         OmegaConf.to_object(cfg)
 
 
+@pytest.mark.parametrize("optimizer", ["onebit_adam", "onebit_lamb"])
+def test_onebit_with_stage_2_fails_before_any_process_starts(hydra_ctx: None, optimizer: str) -> None:
+    """Found while composing the job (train.build), before the Trainer launches the other ranks."""
+    cfg = _compose(f"optimizer={optimizer}", "strategy=zero2")
+    with pytest.raises(ValueError, match=rf"optimizer={optimizer} .* stage\(s\) \[0\] only; strategy has stage 2"):
+        train.build(cfg)
+    train.check_optimizer_fits_strategy(optimizer, instantiate(_compose("strategy=zero0").strategy, _convert_="all"))
+
+
 def test_strategy_files_match_the_registered_presets(hydra_ctx: None) -> None:
     registry = pytest.importorskip("lightning_zero.registry")
     zero_files = [o for o in _options("strategy") if o.startswith("zero") or o == "pipeline"]
