@@ -57,8 +57,6 @@ import re
 import shutil
 import sys
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
@@ -79,7 +77,7 @@ from typing_extensions import override  # noqa: E402
 from lora_worker import _compact, _describe_deepspeed, _describe_fsdp  # noqa: E402
 from peers_worker import (  # noqa: E402
     CONFIGS as PEER_CONFIGS, PRECISION, PeerConfig, _rank, _shutdown_process_group, append_record, build_module,
-    count_params, device_info, short_reason, versions,
+    count_params, device_info, run_as_row, short_reason, versions, worker_main,
 )
 from presets import model_preset  # noqa: E402
 
@@ -531,46 +529,27 @@ def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], benc
 
 
 def run(args: argparse.Namespace) -> int:
+    spec = CONFIGS[args.config]
+    return run_as_row(args, lambda: spec.build(args), lambda strategy: _fit(args, spec, strategy),
+                      skip_on=(NotImplementedError, ValueError, TypeError))  # TypeError: an API not there yet
+
+
+def _fit(args: argparse.Namespace, spec: CkptConfig, strategy: Strategy) -> None:
     from data import TextDataModule
     from gpt import GPTConfig
 
-    spec = CONFIGS[args.config]
-    base = {"kind": "error", "config": args.config, "rank": _rank()}
-    try:
-        strategy = spec.build(args)
-    except (NotImplementedError, ValueError, TypeError) as exc:  # an API not there yet
-        append_record(args.results_file, {**base, "status": "skipped", "reason": short_reason(exc)})
-        return 0
-    except Exception as exc:  # e.g. `import deepspeed` failing on this machine
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
-    try:
-        L.seed_everything(0, verbose=False)
-        torch.set_float32_matmul_precision("high")
-        cfg = GPTConfig(**model_preset(args.model))
-        bench = CheckpointBench(args, spec, count_params(cfg))
-        trainer = build_trainer(args, strategy, bench)
-        model = build_module(peer_spec(spec), args, trainer, cfg)
-        trainer.fit(model, datamodule=TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch))
-        _shutdown_process_group()
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        traceback.print_exc()
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
-    return 0
+    L.seed_everything(0, verbose=False)
+    torch.set_float32_matmul_precision("high")
+    cfg = GPTConfig(**model_preset(args.model))
+    bench = CheckpointBench(args, spec, count_params(cfg))
+    trainer = build_trainer(args, strategy, bench)
+    model = build_module(peer_spec(spec), args, trainer, cfg)
+    trainer.fit(model, datamodule=TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch))
+    _shutdown_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
-    args = parse_args(argv)
-    with args.results_file.with_suffix(".pids").open("a") as fh:  # checkpoint.py kills workers outliving torchrun
-        fh.write(f"{os.getpid()}\n")
-    code = run(args)
-    sys.stdout.flush()
-    return code
+    return worker_main(argv, parse_args, run)
 
 
 __all__ = ["CONFIGS", "CkptConfig", "CheckpointBench", "Region", "disk_usage", "main"]

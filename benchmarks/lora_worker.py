@@ -40,8 +40,6 @@ import argparse
 import math
 import os
 import sys
-import traceback
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +62,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
 from peers_worker import (  # noqa: E402
-    StepTimer, _rank, _shutdown_process_group, _version, append_record, device_info, short_reason, versions,
+    StepTimer, _shutdown_process_group, _version, append_record, device_info, run_as_row, short_reason, versions,
+    worker_main,
 )
 from presets import LORA, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset  # noqa: E402
 
@@ -527,51 +526,30 @@ def rank_record(
 
 def run(args: argparse.Namespace) -> int:
     spec = CONFIGS[args.config]
-    base = {"kind": "error", "config": args.config, "rank": _rank()}
-    try:
-        strategy = spec.build(args)
-    except (NotImplementedError, ValueError) as exc:
-        append_record(args.results_file, {**base, "status": "skipped", "reason": short_reason(exc)})
-        return 0
-    except Exception as exc:  # e.g. `import deepspeed` failing on this machine
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
+    return run_as_row(args, lambda: spec.build(args), lambda strategy: _fit(args, spec, strategy))
 
-    try:
-        L.seed_everything(0, verbose=False)
-        torch.set_float32_matmul_precision("high")
-        _, dims = llama_preset(args.model, args.layers, args.seq_len)
-        counts = count_params(dims)
-        timer = LoraTimer(args.warmup)
-        trainer = build_trainer(args, strategy, timer)
-        fused = True if args.device == "cuda" and not args.no_fused else None
-        module = LoraLlamaModule(dims, spec.meta_init, args.act_ckpt, fused)
-        n_samples = (args.warmup + args.steps + 1) * args.micro_batch * args.devices
-        loader = DataLoader(RandomTokens(n_samples, dims["seq_len"], dims["vocab_size"]), batch_size=args.micro_batch)
-        trainer.fit(module, train_dataloaders=loader)
-        if len(timer.step_times) < args.steps:
-            raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran")
-        append_record(args.results_file, rank_record(args, trainer, module, timer, counts, spec))
-        _shutdown_process_group()
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        traceback.print_exc()
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
-    return 0
+
+def _fit(args: argparse.Namespace, spec: "LoraConfig", strategy: Any) -> None:
+    L.seed_everything(0, verbose=False)
+    torch.set_float32_matmul_precision("high")
+    _, dims = llama_preset(args.model, args.layers, args.seq_len)
+    counts = count_params(dims)
+    timer = LoraTimer(args.warmup)
+    trainer = build_trainer(args, strategy, timer)
+    fused = True if args.device == "cuda" and not args.no_fused else None
+    module = LoraLlamaModule(dims, spec.meta_init, args.act_ckpt, fused)
+    n_samples = (args.warmup + args.steps + 1) * args.micro_batch * args.devices
+    loader = DataLoader(RandomTokens(n_samples, dims["seq_len"], dims["vocab_size"]), batch_size=args.micro_batch)
+    trainer.fit(module, train_dataloaders=loader)
+    if len(timer.step_times) < args.steps:
+        raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran")
+    append_record(args.results_file, rank_record(args, trainer, module, timer, counts, spec))
+    _shutdown_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
-    warnings.filterwarnings("ignore", ".*has both parameters with requires_grad=True and False.*")  # see _fsdp
-    args = parse_args(argv)
-    with args.results_file.with_suffix(".pids").open("a") as fh:  # lora.py kills workers outliving torchrun
-        fh.write(f"{os.getpid()}\n")
-    code = run(args)
-    sys.stdout.flush()
-    return code
+    return worker_main(argv, parse_args, run,
+                       ignore=(".*has both parameters with requires_grad=True and False.*",))  # see _fsdp
 
 
 __all__ = ["CONFIGS", "LoraConfig", "LoraLlamaModule", "LoraTimer", "install_reset_shims", "build_lora_llama", "main"]

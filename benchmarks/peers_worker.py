@@ -609,38 +609,22 @@ def _shutdown_process_group() -> None:
             print(f"destroy_process_group failed: {short_reason(exc)}", file=sys.stderr)
 
 
-def run(args: argparse.Namespace) -> int:
-    from data import TextDataModule
-    from gpt import GPTConfig
-
-    spec = CONFIGS[args.config]
+def run_as_row(args: argparse.Namespace, build_strategy: Callable[[], Any], body: Callable[[Any], None],
+               skip_on: tuple[type[BaseException], ...] = (NotImplementedError, ValueError)) -> int:
+    """One configuration in this worker: a strategy that cannot be built here (``skip_on``) becomes a
+    'skipped' row, any other failure a 'failed' row with its traceback in the log; the parent renders
+    its table from these rows (peers.py, lora.py and checkpoint.py share this)."""
     base = {"kind": "error", "config": args.config, "rank": _rank()}
-    if spec.single_device_only and args.devices != 1:
-        append_record(args.results_file, {**base, "status": "skipped", "reason": "single-device run (use 1 GPU)"})
-        return 0
     try:
-        strategy = spec.build(args)
-    except (NotImplementedError, ValueError) as exc:
+        strategy = build_strategy()
+    except skip_on as exc:
         append_record(args.results_file, {**base, "status": "skipped", "reason": short_reason(exc)})
         return 0
     except Exception as exc:  # e.g. `import deepspeed` failing on this machine
         append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
         return 1
-
     try:
-        L.seed_everything(0, verbose=False)
-        torch.set_float32_matmul_precision("high")
-        cfg = GPTConfig(**model_preset(args.model))
-        profiler = CommProfiler(args.warmup + args.steps, args.profile_steps) if args.profile else None
-        timer = StepTimer(args.warmup, timed=args.steps if profiler is not None else None)
-        trainer = build_trainer(args, strategy, timer, profiler)
-        model = build_module(spec, args, trainer, cfg)
-        data = TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch)
-        trainer.fit(model, datamodule=data)
-        if len(timer.step_times) < args.steps:
-            raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran (too little data?)")
-        append_record(args.results_file, rank_record(args, trainer, model, timer, count_params(cfg), profiler))
-        _shutdown_process_group()
+        body(strategy)
     except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -650,19 +634,53 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    warnings.filterwarnings("ignore", ".*does not have many workers.*")
-    warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
-    args = parse_args(argv)
-    # peers.py kills workers that outlive their launcher (torchrun puts each in its own session).
+def worker_main(argv: Optional[list[str]], parse: Callable[[Optional[list[str]]], argparse.Namespace],
+                run_one: Callable[[argparse.Namespace], int], ignore: tuple[str, ...] = ()) -> int:
+    """A benchmark worker's entry point: quiet known warnings, record this pid (the parent kills
+    workers that outlive their launcher: torchrun puts each in its own session), run."""
+    for pattern in (".*does not have many workers.*", ".*smaller than the logging interval.*", *ignore):
+        warnings.filterwarnings("ignore", pattern)
+    args = parse(argv)
     with args.results_file.with_suffix(".pids").open("a") as fh:
         fh.write(f"{os.getpid()}\n")
-    code = run(args)
+    code = run_one(args)
     sys.stdout.flush()
     return code
 
 
-__all__ = ["CONFIGS", "CommProfiler", "PeerConfig", "StepTimer", "append_record", "run", "main"]
+def run(args: argparse.Namespace) -> int:
+    spec = CONFIGS[args.config]
+    if spec.single_device_only and args.devices != 1:
+        row = {"kind": "error", "config": args.config, "rank": _rank()}
+        append_record(args.results_file, {**row, "status": "skipped", "reason": "single-device run (use 1 GPU)"})
+        return 0
+    return run_as_row(args, lambda: spec.build(args), lambda strategy: _fit(args, spec, strategy))
+
+
+def _fit(args: argparse.Namespace, spec: PeerConfig, strategy: Any) -> None:
+    from data import TextDataModule
+    from gpt import GPTConfig
+
+    L.seed_everything(0, verbose=False)
+    torch.set_float32_matmul_precision("high")
+    cfg = GPTConfig(**model_preset(args.model))
+    profiler = CommProfiler(args.warmup + args.steps, args.profile_steps) if args.profile else None
+    timer = StepTimer(args.warmup, timed=args.steps if profiler is not None else None)
+    trainer = build_trainer(args, strategy, timer, profiler)
+    model = build_module(spec, args, trainer, cfg)
+    data = TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch)
+    trainer.fit(model, datamodule=data)
+    if len(timer.step_times) < args.steps:
+        raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran (too little data?)")
+    append_record(args.results_file, rank_record(args, trainer, model, timer, count_params(cfg), profiler))
+    _shutdown_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return worker_main(argv, parse_args, run)
+
+
+__all__ = ["CONFIGS", "CommProfiler", "PeerConfig", "StepTimer", "append_record", "run", "run_as_row", "worker_main", "main"]
 
 
 if __name__ == "__main__":
