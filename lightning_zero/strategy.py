@@ -550,8 +550,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._end_watch()
-        if self._watchdog is not None:
+        if self._watchdog is not None:  # joined: a daemon thread inside a store call at interpreter exit aborts it
             self._watchdog.stop()
+            self._watchdog.join(timeout=5.0)
             self._watchdog = None
         if self._failed:  # after an exception: no collective (a peer may be gone), threads joined, swap removed
             for engine in self._engines.values():
