@@ -17,6 +17,7 @@ swap directories) and exits with status 1.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -50,7 +51,8 @@ class FailureBoard:
 
     @classmethod
     def for_default_group(cls) -> "FailureBoard":
-        return cls(_default_store(), dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        """A board on a fresh client of the job's rendezvous store (the keys the watchdogs read)."""
+        return cls(_own_client(), dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
     def report(self, exc: BaseException) -> tuple[bool, str]:
         """Record this rank's failure; (whether it is the first, the first failure's description)."""
@@ -130,6 +132,7 @@ class PeerWatchdog(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+        _RUNNING.discard(self)
 
     def run(self) -> None:
         seen = self.board.first_failure()  # an earlier fit's failure in this job is not news
@@ -150,11 +153,41 @@ class PeerWatchdog(threading.Thread):
             return
 
 
-def start_watchdog(cleanups: list[Callable[[], None]]) -> Optional[PeerWatchdog]:
-    board = FailureBoard.for_default_group()
-    if board.store is None:
+def _own_client() -> Optional[dist.Store]:
+    """A connection of the watchdog's own to the rendezvous store: a store client is not shared with
+    the main thread, which uses the default one (process groups are created through it)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or _default_store() is None:
         return None
+    try:
+        from datetime import timedelta
+
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
+    except Exception:  # noqa: BLE001 - no watchdog then; failures still end through the launcher
+        return None
+
+
+_RUNNING: "set[PeerWatchdog]" = set()
+"""Watchdogs alive in this process, stopped and joined at exit (a thread inside a store call while
+the interpreter finalises aborts the process)."""
+
+
+def _join_all() -> None:
+    for dog in list(_RUNNING):
+        dog.stop()
+        dog.join(timeout=5.0)
+
+
+atexit.register(_join_all)
+
+
+def start_watchdog(cleanups: list[Callable[[], None]]) -> Optional[PeerWatchdog]:
+    store = _own_client()
+    if store is None:
+        return None
+    board = FailureBoard(store, dist.get_rank())
     dog = PeerWatchdog(board, cleanups)
+    _RUNNING.add(dog)
     dog.start()
     return dog
 

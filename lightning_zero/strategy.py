@@ -326,7 +326,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if self._checkpointer is not None:
             self._checkpointer.wait_or_abandon(timeout_s=60.0)
         if not isinstance(exception, KeyboardInterrupt):
-            print_once(self._watchdog.board if self._watchdog is not None else FailureBoard(None, 0), exception)
+            print_once(FailureBoard.for_default_group(), exception)  # the main thread's own store client
         released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
         message = explain_released_read(exception, released) if released else None
         if message is not None:
