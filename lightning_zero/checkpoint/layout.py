@@ -110,26 +110,37 @@ def _flat_view(t: Tensor) -> Optional[Tensor]:
     return t.view(-1) if t.is_contiguous() else None
 
 
-# ------------------------------------------------------------------------------------------ save
-def weight_entries(view: RankView) -> dict[str, Any]:
-    """This rank's share of the weights and buffers: ``state_dict.<name>`` -> FlatPiece."""
+def _own_weights(view: RankView, whole: bool) -> Iterator[tuple[str, Tensor, Optional[tuple[Tensor, int]]]]:
+    """(key, tensor, piece) for every weight and buffer stored under its own (first) name: ``piece`` is
+    (master slice, start in the parameter) for a parameter an engine holds, None for everything else."""
     managed = view.managed()
     canon = view.canonical_names()
-    out: dict[str, Any] = {}
     for name, t in view.named_tensors().items():
         if canon[name] != name or not torch.is_tensor(t) or t.numel() == 0:
             continue
-        key = WEIGHT_PREFIX + name
+        piece = None
         if id(t) in managed:
             fg, si = managed[id(t)]
-            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=False):
-                out[key] = FlatPiece(fg.master[mstart : mstart + length], start, t.numel())
-        else:
-            lo, hi = even_range(t.numel(), view.dp_rank, view.dp_size)
-            if hi > lo:
-                flat = _flat_view(t)
-                flat = flat if flat is not None else t.detach().reshape(-1)
-                out[key] = FlatPiece(flat[lo:hi], lo, t.numel())
+            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=whole):
+                piece = (fg.master[mstart : mstart + length], start)
+            if piece is None:
+                continue  # this rank holds none of it
+        yield WEIGHT_PREFIX + name, t, piece
+
+
+# ------------------------------------------------------------------------------------------ save
+def weight_entries(view: RankView) -> dict[str, Any]:
+    """This rank's share of the weights and buffers: ``state_dict.<name>`` -> FlatPiece."""
+    out: dict[str, Any] = {}
+    for key, t, piece in _own_weights(view, whole=False):
+        if piece is not None:
+            out[key] = FlatPiece(piece[0], piece[1], t.numel())
+            continue
+        lo, hi = even_range(t.numel(), view.dp_rank, view.dp_size)
+        if hi > lo:
+            flat = _flat_view(t)
+            flat = flat if flat is not None else t.detach().reshape(-1)
+            out[key] = FlatPiece(flat[lo:hi], lo, t.numel())
     return out
 
 
@@ -203,24 +214,17 @@ def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tens
     """Where this rank reads each weight: ``state_dict.<name>`` -> FlatPiece(s) into the masters it
     holds or the module's own tensors. Returns also (temporary, target) pairs to copy afterwards
     (non-contiguous tensors). One key holds one piece: a rank's partition of a parameter is contiguous."""
-    managed = view.managed()
-    canon = view.canonical_names()
     out: dict[str, Any] = {}
     after: list[tuple[Tensor, Tensor]] = []
-    for name, t in view.named_tensors().items():
-        if canon[name] != name or not torch.is_tensor(t) or t.numel() == 0:
+    for key, t, piece in _own_weights(view, whole=True):
+        if piece is not None:
+            out[key] = FlatPiece(piece[0], piece[1], t.numel())
             continue
-        key = WEIGHT_PREFIX + name
-        if id(t) in managed:
-            fg, si = managed[id(t)]
-            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=True):
-                out[key] = FlatPiece(fg.master[mstart : mstart + length], start, t.numel())
-        else:
-            flat = _flat_view(t)
-            if flat is None:
-                flat = torch.empty(t.numel(), dtype=t.dtype)
-                after.append((flat, t))
-            out[key] = FlatPiece(flat, 0, t.numel())
+        flat = _flat_view(t)
+        if flat is None:
+            flat = torch.empty(t.numel(), dtype=t.dtype)
+            after.append((flat, t))
+        out[key] = FlatPiece(flat, 0, t.numel())
     return out, after
 
 

@@ -105,12 +105,7 @@ def dcp_load(state: dict[str, Any], path: atomic.PathLike, group: Any, threads: 
 
 
 def _nbytes(entries: dict[str, Any]) -> int:
-    total = 0
-    for v in entries.values():
-        t = v.source if isinstance(v, FlatPiece) else v
-        if torch.is_tensor(t):
-            total += t.numel() * t.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in _tensors(entries))
 
 
 class _HostArena:
