@@ -37,7 +37,8 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
-from lightning_zero.offload.engine import OffloadSettings, offload_engine
+from lightning_zero.offload.engine import offload_engine
+from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
@@ -360,8 +361,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             engine_cls = offload_engine(engine_cls)
             trainer = self.lightning_module.trainer if self.lightning_module._trainer is not None else None
             accumulate = trainer is not None and trainer.accumulate_grad_batches > 1
-            stage_options["offload"] = OffloadSettings.from_config(self.config, self.num_processes, self.global_rank,
-                                                                   accumulate=accumulate)
+            stage_options["offload"] = OffloadSettings(self.config, self.num_processes, self.global_rank, accumulate)
         dtype = self.precision_plugin.compute_dtype
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []

@@ -81,6 +81,17 @@ class ZeroConfig:
     NVMe; the rest stays in host memory and is stepped without I/O. Below 1 when the disk is smaller
     than the states, or to trade host memory for less disk traffic."""
 
+    offload_ratio: Any = 1.0
+    """Optimizer offload: the fraction of this rank's optimizer partition (fp32 masters and Adam moments)
+    kept in host memory and stepped by the CPU; the rest stays on the device and is stepped there by a
+    fused Adam, after backward (DeepSpeed's partial offload "ratio"). 1.0: everything on the host (plain
+    ZeRO-Offload); 0.0: nothing (offload_optimizer then only changes where checkpoints stage). A float in
+    [0, 1], or 'auto': the first step runs fully offloaded, then the largest device-resident share that
+    fits the device's free memory (measured peak of that step, 10% headroom) moves to the device. The
+    host share is the partition's *first* buckets (the last layers: their gradients land first, so the
+    CPU step overlaps the rest of backward longest). Adam/AdamW only; not with delayed_param_update.
+    See lightning_zero/offload/device_share.py."""
+
     delayed_param_update: bool = False
     """Offload: the ZeRO-Offload paper's one-step delayed parameter update. The CPU step of step t runs
     while the device computes step t+1, which therefore uses parameters one update old. Hides the CPU
@@ -244,8 +255,35 @@ class ZeroConfig:
             raise ValueError(f"nvme_fraction must be in (0, 1], got {self.nvme_fraction!r}.")
         if self.delayed_param_update and self.offload_optimizer == "none":
             raise ValueError("delayed_param_update needs offload_optimizer='cpu' or 'nvme' (it overlaps the CPU step).")
+        self._validate_offload_ratio()
         if self.delayed_param_update_warmup < 0:
             raise ValueError(f"delayed_param_update_warmup must be >= 0, got {self.delayed_param_update_warmup!r}.")
+
+    def _validate_offload_ratio(self) -> None:
+        r = self.offload_ratio
+        if isinstance(r, str) and r != "auto":
+            try:
+                r = self.offload_ratio = float(r)  # Hydra hands command-line numbers of an Any field as they came
+            except ValueError:
+                raise ValueError(f"offload_ratio must be a number in [0, 1] or 'auto', got {r!r}.") from None
+        if r == "auto":
+            pass
+        elif isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
+            raise ValueError(f"offload_ratio must be a number in [0, 1] or 'auto', got {r!r}.")
+        else:
+            self.offload_ratio = float(r)
+        if r == 1.0:
+            return
+        if self.offload_optimizer == "none":
+            raise ValueError(
+                f"offload_ratio={r!r} needs offload_optimizer='cpu' or 'nvme': it splits the offloaded optimizer "
+                "partition between host and device."
+            )
+        if self.delayed_param_update:
+            raise ValueError(
+                f"offload_ratio={r!r} with delayed_param_update=True: the device share would step synchronously and "
+                "the host share one step late. Use one or the other."
+            )
 
     @property
     def offloads(self) -> bool:

@@ -42,7 +42,6 @@ import math
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Optional
 
@@ -56,7 +55,9 @@ from lightning_zero.offload.cpu import (
 )
 from lightning_zero.offload.eager import EagerStep, uncovered
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
+from lightning_zero.offload.device_share import DeviceShare, auto_device_numel, auto_ratio, split_at_ratio
 from lightning_zero.offload.params import NvmeParamStore, stage_to_device
+from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.zero.engine import ZeroEngine, _Pending
@@ -67,40 +68,6 @@ STEP_CHUNK = 1 << 25
 """Elements per CPU Adam call after backward. The compiled op releases the GIL, so the size does not
 matter to it; torch's fallback (no compiler) allocates temporaries as large as its input, which this
 bounds to a few hundred MB."""
-
-
-@dataclass(frozen=True)
-class OffloadSettings:
-    """The offload part of ZeroConfig, plus where this rank runs (passed in by the strategy)."""
-
-    optimizer: str
-    params: str = "none"
-    nvme_path: Optional[str] = None
-    pin_memory: bool = True
-    nvme_chunk_mb: float = 256.0
-    nvme_io_threads: int = 4
-    delayed_update: bool = False
-    delayed_update_warmup: int = 10
-    nvme_fraction: float = 1.0
-    step_in_backward: bool = True
-    ranks_per_node: int = 1
-    global_rank: int = 0
-    accumulate: bool = False
-    """Gradient accumulation over micro-batches (the trainer's ``accumulate_grad_batches > 1``): the
-    host-memory check then counts the fp32 accumulator allocated at the second micro-batch."""
-
-    @classmethod
-    def from_config(cls, config: Any, ranks_per_node: int, global_rank: int, accumulate: bool = False) -> "OffloadSettings":
-        return cls(
-            config.offload_optimizer, config.offload_params, config.nvme_path, config.pin_memory,
-            config.nvme_chunk_mb, config.nvme_io_threads, config.delayed_param_update,
-            config.delayed_param_update_warmup, config.nvme_fraction, config.offload_step_in_backward,
-            ranks_per_node, global_rank, accumulate,
-        )
-
-    @property
-    def uses_nvme(self) -> bool:
-        return "nvme" in (self.optimizer, self.params)
 
 
 def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -162,41 +129,41 @@ class OffloadMixin:
                     total += p.numel()
         return est.Workload(
             total, gpus_per_node=dp_size, compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
-            bucket_numel=bucket_numel, delayed_update=self.offload.delayed_update,
+            bucket_numel=bucket_numel, delayed_update=self.offload.delayed_param_update,
             accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(), nvme_fraction=self.offload.nvme_fraction,
         )
 
     def _chunk_numel(self) -> int:
-        return max(1, int(self.offload.nvme_chunk_mb * 2**20) // 4)
+        return self.offload.nvme_chunk_numel
 
     def _check_resources(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
                          compute_dtype: torch.dtype, bucket_numel: int) -> None:
         """Host memory and NVMe space, before anything is allocated (the estimator's figures)."""
         o = self.offload
-        setting = est.Setting(self.stage, o.optimizer, o.params)
+        setting = est.Setting(self.stage, o.offload_optimizer, o.offload_params)
         w = self._workload(optimizer, C.world_size(dp_group), compute_dtype, bucket_numel)
         host = est.offload_host_bytes_per_rank(setting, w)
-        if o.optimizer == "nvme":  # the masters are built in host memory once, then swapped out
+        if o.offload_optimizer == "nvme":  # the masters are built in host memory once, then swapped out
             host = max(host, est.nvme_build_peak_bytes_per_rank(setting, w))
         advice = (
             "Set offload_optimizer='nvme' (and offload_params='nvme') with nvme_path on a local disk, set "
             "pin_memory=False if the host is short of page-lockable memory, or train on more ranks/nodes."
-            if o.optimizer == "cpu" or o.params == "cpu" else
+            if o.offload_optimizer == "cpu" or o.offload_params == "cpu" else
             "Lower nvme_chunk_mb, or train on more ranks/nodes."
         )
-        what = (f"offload_optimizer={o.optimizer!r}, offload_params={o.params!r}: fp32 masters, optimizer "
+        what = (f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}: fp32 masters, optimizer "
                 "states and gradient/parameter buffers for this rank's partition")
         check_host_memory(int(host), o.ranks_per_node, what, advice, available=available_host_bytes())
         if o.uses_nvme:
             need = int(est.nvme_bytes_per_rank(setting, w) * o.ranks_per_node)
-            check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.optimizer!r}, offload_params={o.params!r}, "
+            check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}, "
                             f"{o.ranks_per_node} rank(s) on this node")
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
-        if self.offload.optimizer == "nvme":  # swapped out once built: resizable storage (swap_state.make_placeholder)
+        if self.offload.offload_optimizer == "nvme":  # swapped out once built: resizable storage (swap_state.make_placeholder)
             return torch.zeros(numel, dtype=dtype)
-        pinned = self.compute_dtype == torch.float32 and not self.offload.delayed_update
+        pinned = self.compute_dtype == torch.float32 and not self.offload.delayed_param_update
         return self.host.zeros(numel, dtype, pin=pinned and self._pin)
 
     def _group_kwargs(self) -> dict[str, object]:
@@ -204,16 +171,34 @@ class OffloadMixin:
 
     def _setup_offload(self) -> None:
         o = self.offload
-        dpu = o.delayed_update
+        dpu = o.delayed_param_update
+        self._hypers_ok = all(adam_hyper(self.optimizer, pg) is not None for pg in self.optimizer.param_groups)
+        ratio = o.offload_ratio
+        if ratio != 1.0 and not self._hypers_ok:
+            raise ValueError(
+                f"offload_ratio={ratio!r} needs torch.optim.Adam/AdamW or lightning_zero.optim.CPUAdam (without amsgrad/"
+                f"maximize): the device share is stepped by a fused Adam. Got {type(self.optimizer).__name__}; set "
+                "offload_ratio=1."
+            )
+        self._auto_pending = ratio == "auto"
+        """``offload_ratio='auto'``: the split is chosen after the first step (see device_share.py)."""
+        fixed = 1.0 if ratio == "auto" else float(ratio)
+        self._splits = [split_at_ratio(fg.layout, fixed) for fg in self.groups]
+        """Per group: where the device share starts; ``[0, split)`` is the host share."""
+        self._share: Optional[DeviceShare] = None
+        if any(sp < fg.layout.shard_numel for sp, fg in zip(self._splits, self.groups)):
+            self._share = DeviceShare(self._splits, [fg.layout.shard_numel for fg in self.groups], self.device,
+                                      self.compute_dtype)
+            self._share_from_host()
         self._opt_store: Optional[NvmeOptimizerStore] = None
-        if o.optimizer == "nvme":  # first: the full masters leave host memory before other buffers arrive
+        if o.offload_optimizer == "nvme":  # the masters leave host memory before other host buffers arrive
             assert self._swapper is not None
             self._opt_store = NvmeOptimizerStore(self._swapper, [fg.master for fg in self.groups], self.optimizer,
                                                  self._chunk_numel(), self.offload.nvme_fraction)
             self._opt_store.swap_out_masters()
-        self._grads = [HostGradShard(fg.layout.shard_numel, self.compute_dtype, self.host.empty, spares=int(dpu))
-                       for fg in self.groups]
-        self._hypers_ok = all(adam_hyper(self.optimizer, pg) is not None for pg in self.optimizer.param_groups)
+        self._step_counts = [0] * len(self.groups)
+        """The Adam step count of each group's last step (the device share steps with the host's count)."""
+        self._grads = [HostGradShard(sp, self.compute_dtype, self.host.empty, spares=int(dpu)) for sp in self._splits]
         if dpu and not self._hypers_ok:
             raise ValueError(
                 "delayed_param_update needs torch.optim.Adam/AdamW or lightning_zero.optim.CPUAdam (without amsgrad/"
@@ -221,7 +206,7 @@ class OffloadMixin:
             )
         self._op = load_adam_op() if self._hypers_ok else None
         self._uploads: list[list[Tensor]] = [[] for _ in self.groups]
-        need_upload = self.compute_dtype != torch.float32 or o.optimizer == "nvme" or dpu
+        need_upload = self.compute_dtype != torch.float32 or o.offload_optimizer == "nvme" or dpu
         for gi, fg in enumerate(self.groups):
             if need_upload and not self._upload_is_shard16(fg):
                 self._uploads[gi] = [self.host.empty(fg.layout.shard_numel, self.compute_dtype) for _ in range(1 + dpu)]
@@ -240,7 +225,7 @@ class OffloadMixin:
         self._dpu_up = 0
         self.step_in_backward = False
         """Set by the strategy before each step: run this step's CPU update during backward (eager.py)."""
-        self._eager_possible = o.step_in_backward and o.optimizer == "cpu" and not dpu and self._hypers_ok
+        self._eager_possible = o.offload_step_in_backward and o.offload_optimizer == "cpu" and not dpu and self._hypers_ok
         self._eager: Optional[EagerStep] = None
         self._eager_pool: Optional[ThreadPoolExecutor] = None
         self.eager_steps = 0
@@ -249,6 +234,58 @@ class OffloadMixin:
     def _upload_is_shard16(self, fg: Any) -> bool:
         """Stage 3 with parameters in host memory: the CPU step writes the partitions in place."""
         return False
+
+    # ---------------------------------------------------------------- partial offload (device_share.py)
+    def _host_trio(self, gi: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """Group ``gi``'s full-size host master and Adam moments (None before the first step)."""
+        master = self.groups[gi].master
+        st = self.optimizer.state.get(master, {})
+        return master, st.get("exp_avg"), st.get("exp_avg_sq")
+
+    def _share_from_host(self) -> None:
+        """The device shares take their values from the host masters and states (setup, ``auto``)."""
+        assert self._share is not None
+        for gi in range(len(self.groups)):
+            self._share.push(gi, *self._host_trio(gi))
+
+    def _step_device_share(self, coef: float) -> None:
+        """The device share's Adam step, after the host share's (same count and hyper-parameters)."""
+        if self._share is not None:
+            for gi, pg in enumerate(self.optimizer.param_groups):
+                hyper = adam_hyper(self.optimizer, pg)
+                assert hyper is not None, "offload_ratio < 1 needs Adam (checked at setup)"
+                self._share.step(gi, self._step_counts[gi], hyper, 1.0 / coef)
+        if self._auto_pending:
+            self._auto_pending = False
+            self._choose_auto_split()
+
+    def _device_memory(self) -> Optional[tuple[int, int]]:
+        """(total, peak allocated so far) bytes of this rank's device; None on a CPU-only run, where
+        device and host memory are the same and ``auto`` keeps everything on the host."""
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.get_device_properties(self.device).total_memory, torch.cuda.max_memory_allocated(self.device)
+
+    def _choose_auto_split(self) -> None:
+        """``offload_ratio='auto'`` after the first (fully offloaded) step: move the partition's tail
+        that fits the device there (device_share.py [Note: partial offload])."""
+        mem = self._device_memory()
+        if mem is None:
+            return
+        numels = [fg.layout.shard_numel for fg in self.groups]
+        fits = auto_device_numel(mem[0], mem[1], self.compute_dtype)
+        ratio = auto_ratio(numels, fits)
+        splits = [split_at_ratio(fg.layout, ratio, round_host_up=True) for fg in self.groups]
+        log.info("lightning_zero: offload_ratio='auto' keeps %.3f of the optimizer partition on the host "
+                 "(%.2f GiB peak of %.2f GiB; %d of %d elements move to the device)", ratio, mem[1] / 2**30,
+                 mem[0] / 2**30, sum(n - sp for n, sp in zip(numels, splits)), sum(numels))
+        self.chosen_ratio = ratio
+        if splits == self._splits:
+            return
+        with self.host_state():  # NVMe: the states the device share starts from must be resident
+            self._splits = splits
+            self._share = DeviceShare(splits, numels, self.device, self.compute_dtype)
+            self._share_from_host()
 
     # ---------------------------------------------------------------- backward: gradients to the host
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
@@ -263,6 +300,17 @@ class OffloadMixin:
         bucket.div_(self.dp_size)
         out = bucket.new_empty(b.chunk)
         work = C.reduce_scatter(out, bucket, self.dp_group, async_op=True)
+        if self._share is not None and self._share.owns(gi, lo):  # partial offload: this chunk stays here
+            share = self._share
+
+            def finalize_on_device() -> None:
+                share.land(gi, lo, out)
+                sq = out.float().pow(2).sum()
+                self._dev_sq = sq if self._dev_sq is None else self._dev_sq + sq
+                if after is not None:
+                    after()
+
+            return _Pending(work, finalize_on_device)
         dst = self._grads[gi].landing[lo:hi]
         if self._d2h is not None:  # the side stream waits for the collective, then copies; backward goes on
             main = torch.cuda.current_stream(self.device)
@@ -326,12 +374,18 @@ class OffloadMixin:
                 f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
                 "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
             )
-        for gi, lo, hi in uncovered([fg.master.numel() for fg in self.groups], eager.covered):
+        for gi, lo, hi in uncovered(self._splits, eager.covered):
             eager.run_now(gi, lo, hi)
         self._steps += 1
         self._upload_from, self._upload_pending = self._up, True
         self._out_valid = True
         self.eager_steps += 1
+
+    def _push_loaded_share(self) -> None:
+        """Masters were loaded (inside ``host_state``): the device share takes them now, before the
+        write-back sends its values (the mirror's own push comes only when ``host_state`` ends)."""
+        if self._share is not None:
+            self._share_from_host()
 
     def _sync_d2h(self) -> None:
         if self._d2h is not None:
@@ -353,7 +407,8 @@ class OffloadMixin:
         if self._backwards == 1 and self._dev_sq is not None:
             local = self._dev_sq.sqrt().reshape(1)  # summed on the device as the chunks arrived
         else:
-            local = torch.tensor([math.sqrt(sum_of_squares(list(grads)))], device=self.device)
+            sq = sum_of_squares(list(grads)) + (self._share.grad_sq() if self._share is not None else 0.0)
+            local = torch.tensor([math.sqrt(sq)], device=self.device)
         return super().global_grad_norm_sq([local])  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -368,6 +423,8 @@ class OffloadMixin:
         super()._zero_grads()  # type: ignore[misc]
         for hg in self._grads:
             hg.reset()
+        if self._share is not None:
+            self._share.zero_grads()
         self._backwards = 0
         self._dev_sq = None
 
@@ -376,11 +433,13 @@ class OffloadMixin:
         note_optimizer_step(self.optimizer)  # see [Note: the LR scheduler sees the CPU step]
         if self._eager is not None:
             self._finish_eager(coef)
+            self._step_device_share(coef)
             return
         self._steps += 1
-        if self._dpu_pool is None or self._steps <= self.offload.delayed_update_warmup:
+        if self._dpu_pool is None or self._steps <= self.offload.delayed_param_update_warmup:
             self._wait_h2d(self._up)
             self._cpu_step(grads, coef, self._up)
+            self._step_device_share(coef)
             self._upload_from, self._upload_pending = self._up, True
             return
         # delayed update: upload the previous step's result, run this step in the background
@@ -425,14 +484,15 @@ class OffloadMixin:
                            step: int = step, hyper: AdamHyper = hyper) -> None:
                     adam_update(self._op, m, g, ea, eas, o16, step, hyper, scale, threads)
 
-                store.adam_step(gi, grad, out, update)
+                self._step_counts[gi] = step
+                store.adam_step(gi, grad, out, update, limit=self._splits[gi])
                 continue
             update_range = self._begin_host_adam(gi, grad, out, hyper, scale, threads)
-            n = fg.master.numel()
+            n = self._splits[gi]
             for lo in range(0, n, STEP_CHUNK):  # see STEP_CHUNK
                 update_range(lo, min(n, lo + STEP_CHUNK))
             if out is not None and out.dtype == torch.float32:
-                out.copy_(fg.master)
+                out[:n].copy_(fg.master[:n])
         self._out_valid = True
 
     def _begin_host_adam(self, gi: int, grad: Tensor, out: Optional[Tensor], hyper: AdamHyper, scale: float,
@@ -444,6 +504,7 @@ class OffloadMixin:
         st = self._host_adam_state(master)
         st["step"] += 1
         step = int(st["step"].item())
+        self._step_counts[gi] = step
         out16 = out if out is not None and out.dtype != torch.float32 else None
 
         def update_range(lo: int, hi: int) -> None:
@@ -494,6 +555,8 @@ class OffloadMixin:
         with ExitStack() as stack:
             if self._opt_store is not None:
                 stack.enter_context(self._opt_store.host_state())
+            if self._share is not None:  # entered last: pulls into, and pushes from, resident host tensors
+                stack.enter_context(self._share.mirrored(self._host_trio))
             yield
 
     def teardown(self) -> None:
@@ -569,6 +632,7 @@ class FlatOffloadMixin(OffloadMixin):
     """Stages 1-2: after the CPU step, upload this rank's chunks and all-gather the full parameters."""
 
     def after_master_load(self) -> None:
+        self._push_loaded_share()
         for gi, fg in enumerate(self.groups):  # the 16-bit upload buffers come from the loaded masters
             out = self._upload_buffer(gi, self._upload_from)
             if out is not None:
@@ -584,13 +648,15 @@ class FlatOffloadMixin(OffloadMixin):
         for gi, fg in enumerate(self.groups):
             src = self._upload_source(gi)
             for bi, b in enumerate(fg.layout.buckets):
-                chunk = src[b.shard_offset : b.shard_offset + b.chunk]
+                lo, hi = b.shard_offset, b.shard_offset + b.chunk
+                on_device = self._share is not None and self._share.owns(gi, lo)
+                chunk = self._share.source(gi, lo, hi) if on_device else src[lo:hi]  # type: ignore[union-attr]
                 dst = fg.bucket_view(fg.flat_param, bi)
                 if self.dp_size == 1:
                     dst.copy_(chunk, non_blocking=True)
                 else:
-                    works.append(C.all_gather(dst, stage_to_device(chunk, self.device, self.compute_dtype),
-                                              self.dp_group, async_op=True))
+                    send = chunk.to(self.compute_dtype) if on_device else stage_to_device(chunk, self.device, self.compute_dtype)
+                    works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
         self._record_h2d(self._upload_from)
         for w in works:
             w.wait()
@@ -601,27 +667,27 @@ class ParamOffloadMixin(OffloadMixin):
 
     def _group_kwargs(self) -> dict[str, object]:
         kwargs = super()._group_kwargs()
-        if self.offload.params == "cpu":
+        if self.offload.offload_params == "cpu":
             kwargs["shard16_factory"] = self.host.zeros
-        elif self.offload.params == "nvme":
+        elif self.offload.offload_params == "nvme":
             kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt)  # swapped out once built
         else:  # a device-side gather source even in fp32 (the fp32 masters are on the host)
             kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt, device=self.device)
         return kwargs
 
     def _upload_is_shard16(self, fg: Any) -> bool:
-        return self.offload.params == "cpu" and self.compute_dtype != torch.float32 and not self.offload.delayed_update
+        return self.offload.offload_params == "cpu" and self.compute_dtype != torch.float32 and not self.offload.delayed_param_update
 
     def _setup_offload(self) -> None:
         self._param_store: Optional[NvmeParamStore] = None
-        if self.offload.params == "nvme":  # swapped out before the host buffers are allocated
+        if self.offload.offload_params == "nvme":  # swapped out before the host buffers are allocated
             assert self._swapper is not None
             self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin)
             self._param_store.swap_out()
         super()._setup_offload()
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
-        if self.offload.params == "none" or gi >= len(self.groups):  # frozen partitions stay on the device
+        if self.offload.offload_params == "none" or gi >= len(self.groups):  # frozen partitions stay on the device
             return super()._gather_source(gi, bi)  # type: ignore[misc]
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
@@ -655,6 +721,7 @@ class ParamOffloadMixin(OffloadMixin):
         return list(reversed(order[max(0, pos - k) : pos]))
 
     def after_master_load(self) -> None:
+        self._push_loaded_share()
         self._out_valid = False
         self._upload_pending = True
         super().after_master_load()  # type: ignore[misc]
@@ -671,6 +738,14 @@ class ParamOffloadMixin(OffloadMixin):
         self._upload_pending = False
         for gi, fg in enumerate(self.groups):
             src = self._upload_source(gi)
+            split, n = self._splits[gi], fg.layout.shard_numel
+            if self._share is not None and split < n:  # partial offload: the device share's part
+                dev = self._share.source(gi, split, n)
+                if self._param_store is None and fg.shard16 is not None and fg.shard16.device == dev.device:
+                    fg.shard16[:split].copy_(src[:split], non_blocking=True)  # (a no-op when src is shard16)
+                    fg.shard16[split:].copy_(dev)
+                    continue
+                src[split:].copy_(dev)  # host partitions are written from a host buffer
             if self._param_store is not None:
                 self._param_store.write_group(gi, src)
             elif src is not fg.shard16:

@@ -228,11 +228,15 @@ class NvmeOptimizerStore(SwappedStore):
             make_placeholder(m)
 
     # ---------------------------------------------------------------- the step
-    def adam_step(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn) -> None:
+    def adam_step(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn,
+                  limit: Optional[int] = None) -> None:
         """Run ``update`` over every chunk of group ``gi`` with reads, math and writes overlapped.
 
-        ``grad`` and ``out`` are full shard-shaped host tensors; a 16-bit ``out`` is written by
-        ``update`` itself, an fp32 one is copied from the updated master chunk.
+        ``grad`` and ``out`` are shard-shaped host tensors; a 16-bit ``out`` is written by
+        ``update`` itself, an fp32 one is copied from the updated master chunk. ``limit`` (partial
+        offload, device_share.py): only elements below it are stepped; the chunks beyond still go
+        through the pipeline unchanged (they hold the device share's mirror), which keeps every
+        swap file complete at the cost of their I/O.
         """
         keys = ("master", "exp_avg", "exp_avg_sq")
         chunks = self.chunks[gi]
@@ -256,7 +260,7 @@ class NvmeOptimizerStore(SwappedStore):
             reads[ci] = ops
 
         try:
-            self._step_chunks(gi, grad, out, update, chunks, keys, reads, start_read)
+            self._step_chunks(gi, grad, out, update, chunks, keys, reads, start_read, limit)
         except BaseException:
             self._settle(op for ops in reads.values() for op in ops)
             raise
@@ -264,7 +268,8 @@ class NvmeOptimizerStore(SwappedStore):
         self.flush()
 
     def _step_chunks(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn, chunks: list,
-                     keys: tuple[str, ...], reads: dict[int, list[SwapOp]], start_read: Any) -> None:
+                     keys: tuple[str, ...], reads: dict[int, list[SwapOp]], start_read: Any,
+                     limit: Optional[int] = None) -> None:
         start_read(0)
         for ci, (lo, hi) in enumerate(chunks):
             if ci + 1 < len(chunks):
@@ -276,10 +281,12 @@ class NvmeOptimizerStore(SwappedStore):
             mem = (gi, ci) in self.in_memory
             m, ea, eas = (self._mem_chunk(gi, ci, k) if mem else self._buf(slot, k, torch.float32)[: hi - lo]
                           for k in keys)
-            out16 = out[lo:hi] if out is not None and out.dtype != torch.float32 else None
-            update(m, grad[lo:hi], ea, eas, out16)
-            if out is not None and out16 is None:
-                out[lo:hi].copy_(m)
+            k = (hi if limit is None else max(lo, min(hi, limit))) - lo  # elements of this chunk to step
+            if k:
+                out16 = out[lo : lo + k] if out is not None and out.dtype != torch.float32 else None
+                update(m[:k], grad[lo : lo + k], ea[:k], eas[:k], out16)
+                if out is not None and out16 is None:
+                    out[lo : lo + k].copy_(m[:k])
             if not mem:
                 self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
 
