@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.callbacks import LayerDropPlan, ProgressiveLayerDrop
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 INIT_STD = 0.02
@@ -64,6 +65,13 @@ class GPTConfig:
     """Recompute each block's activations in backward instead of storing them (memory for compute)."""
     bias: bool = True
     """Biases in Linear and LayerNorm layers."""
+    pld: bool = False
+    """Progressive Layer Dropping (lightning_zero.callbacks.ProgressiveLayerDrop, added by GPTModule): training
+    batches skip blocks on DeepSpeed's schedule, a dropped block is the identity; evaluation runs every block."""
+    pld_theta: float = 0.5
+    """With ``pld``: the keep ratio the schedule decays to (DeepSpeed's theta)."""
+    pld_gamma: float = 0.001
+    """With ``pld``: the decay rate per optimizer step (DeepSpeed's gamma)."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
@@ -137,9 +145,14 @@ class Block(nn.Module):
         for proj in self.residual_projections():
             nn.init.normal_(proj.weight, mean=0.0, std=self.residual_std)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: Tensor, scale: Optional[float] = None) -> Tensor:
+        """``scale`` (Progressive Layer Dropping, a kept block: 1 / keep probability) multiplies both
+        residual branches; None leaves the block exactly as without PLD."""
+        if scale is None:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x)) * scale
+        return x + self.mlp(self.ln_2(x)) * scale
 
 
 class GPT(nn.Module):
@@ -159,6 +172,15 @@ class GPT(nn.Module):
             None if cfg.tie_weights else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
         self._reset_outer_parameters()  # the blocks initialised themselves
+        self._layer_drop: Optional[LayerDropPlan] = None
+
+    def pld_num_layers(self) -> int:
+        """Progressive Layer Dropping protocol (lightning_zero.callbacks.SupportsLayerDrop): the blocks."""
+        return self.cfg.n_layer
+
+    def set_layer_drop(self, plan: Optional[LayerDropPlan]) -> None:
+        """This training batch's drop plan (None: run every block), from ProgressiveLayerDrop."""
+        self._layer_drop = plan
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
@@ -181,8 +203,15 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        plan = self._layer_drop if self.training else None  # evaluation runs every block
+        if plan is None:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        else:  # Progressive Layer Dropping: a dropped block is the identity and costs nothing
+            for i, block in enumerate(self.blocks):
+                if plan.keep[i]:
+                    scale = plan.scale(i)
+                    x = checkpoint(block, x, scale, use_reentrant=False) if recompute else block(x, scale)
         h = self.ln_f(x)
         if self.lm_head is None:
             return F.linear(h, self.wte.weight)
@@ -421,7 +450,16 @@ class GPTModule(L.LightningModule):
              "pipeline": self.use_pipeline}
         )
         self.flops_per_token = flops_per_token(self.config)
+        if self.config.pld and self.use_pipeline:
+            raise ValueError("model.pld needs the plain GPT (its block loop drops layers); pipeline stages run a fixed layer list.")
         self.model = self._build_model()
+
+    @override
+    def configure_callbacks(self) -> list[L.Callback]:
+        """``model.pld=true``: Progressive Layer Dropping on the configured schedule."""
+        if not self.config.pld:
+            return []
+        return [ProgressiveLayerDrop(theta=self.config.pld_theta, gamma=self.config.pld_gamma)]
 
     @property  # type: ignore[override]
     def example_input_array(self) -> Optional[Tensor]:

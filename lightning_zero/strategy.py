@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.checkpoint.strategy_io import CheckpointMixin
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
@@ -207,6 +208,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if has_meta_params(self.model):  # not fitting, or parameters outside every optimizer
             materialize_modules(list(self.model.modules()), self.root_device)
         self.precision_plugin.convert_module(self.model)
+        if self.config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
+            units = [u.module for e in self._stage3_engines() for u in e.units[1:] if u.module is not None]
+            apply_activation_offload(self.model, self.config.activation_offload_policy, units)
         for engine in self._engines.values():
             for fg in engine.groups:
                 for p in fg.params:

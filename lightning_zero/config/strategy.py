@@ -131,6 +131,18 @@ class ZeroConfig:
     """Sharded checkpoints: fsync every file before the directory is renamed into place, so a finished
     checkpoint also survives a machine crash (a killed process never leaves a half-written one either way)."""
 
+    activation_offload: bool = False
+    """ZeRO-R activation memory: checkpoint every stage-3 unit (below stage 3 and under pipeline stages:
+    the repeated blocks units.py's default policy finds) with its checkpoint, the unit's input, kept in
+    pinned host memory, copied out on a side stream and brought back ahead of the recomputation
+    (lightning_zero/activations/policy.py [Note: the strategy option]). Saves one ``batch x seq x
+    d_model`` tensor of device memory per unit for a full recomputation of each unit in backward and
+    two PCIe copies. Leave the model's own activation checkpointing off when this is on."""
+
+    activation_offload_policy: Optional[list[str]] = None
+    """With ``activation_offload``: which modules are checkpointed, as class names or fnmatch patterns
+    of module names (like ``unit_policy``); None takes the stage-3 units (or the repeated blocks)."""
+
     pipeline_stages: int = 1
     """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
 
@@ -178,6 +190,14 @@ class ZeroConfig:
             isinstance(self.unit_policy, str) or not all(isinstance(x, str) for x in self.unit_policy)
         ):
             raise ValueError(f"unit_policy must be a list of class names or module-name patterns, got {self.unit_policy!r}.")
+        if self.activation_offload_policy is not None and (
+            isinstance(self.activation_offload_policy, str)
+            or not all(isinstance(x, str) for x in self.activation_offload_policy)
+        ):
+            raise ValueError(
+                "activation_offload_policy must be a list of class names or module-name patterns, "
+                f"got {self.activation_offload_policy!r}."
+            )
         if not (isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1):
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._validate_pipeline()

@@ -1,0 +1,149 @@
+"""Activation checkpointing with host offload (issue #19): bitwise the losses and gradients of plain
+non-reentrant checkpointing; the checkpoints (the regions' inputs) live in host copies, not in the
+tensors the forward produced; the module form is in place, idempotent and reversible; the strategy
+option wraps the units in one process (zero2: repeated blocks) and trains like without it."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+
+from lightning_zero.activations import (  # noqa: E402
+    HostOffloader, apply_activation_offload, checkpoint, is_checkpointed, offloader_of, remove_checkpoint,
+)
+
+CFG = GPTConfig(vocab_size=256, n_layer=3, n_head=4, d_model=32, seq_len=16, dropout=0.1)
+
+
+def _ids(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (4, 17), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _train(model: GPT, steps: int = 4) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Losses (as tensors, compared bitwise) and final weights of a few AdamW steps; dropout is on,
+    so the recomputation must replay the forward's random state too."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    torch.manual_seed(123)
+    for step in range(steps):
+        x, y = _ids(step)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _model(checkpointing: bool) -> GPT:
+    torch.manual_seed(0)
+    from dataclasses import replace
+
+    return GPT(replace(CFG, activation_checkpointing=checkpointing))
+
+
+def test_losses_and_weights_bitwise_equal_to_plain_non_reentrant_checkpointing() -> None:
+    ref_losses, ref_weights = _train(_model(checkpointing=True))  # torch.utils.checkpoint, use_reentrant=False
+    model = _model(checkpointing=False)
+    shared = HostOffloader()
+    for block in model.blocks:
+        checkpoint(block, offload="cpu", offloader=shared)
+    losses, weights = _train(model)
+    assert shared.stats.packed == 4 * CFG.n_layer  # one checkpoint (the block input) per block and step
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    # and a run without any checkpointing agrees as well (dropout replayed on recompute)
+    plain_losses, _ = _train(_model(checkpointing=False))
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+
+
+def _inputs_alive_after_forward(wrap: str) -> tuple[list[bool], HostOffloader, int]:
+    """Forward through four checkpointed Linear+tanh regions; weak references to each region's input:
+    which of them are still alive once the forward's own references are gone."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(64, 64) for _ in range(4)]
+    offloader = HostOffloader()
+    refs: list[weakref.ref] = []
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x * 1.0
+    for layer in layers:
+        refs.append(weakref.ref(h))
+        fn = lambda t, layer=layer: torch.tanh(layer(t))  # noqa: E731
+        if wrap == "plain":
+            h = torch_checkpoint(fn, h, use_reentrant=False)
+        else:
+            h = checkpoint(fn, offload="cpu", offloader=offloader)(h)
+    out = h.sum()
+    del h
+    gc.collect()
+    alive = [r() is not None for r in refs]
+    nbytes = offloader.stats.live_bytes
+    out.backward()
+    return alive, offloader, nbytes
+
+
+def test_saved_activations_live_in_host_copies_not_in_the_forward_tensors() -> None:
+    alive_plain, _, _ = _inputs_alive_after_forward("plain")
+    assert alive_plain == [True] * 4  # plain checkpointing keeps every region's input
+    alive, offloader, live_during = _inputs_alive_after_forward("cpu")
+    assert alive == [False] * 4  # with offload the forward's tensors are freed ...
+    assert live_during == 4 * 32 * 64 * 4  # ... and their contents live in four fp32 host copies
+    assert offloader.stats.peak_bytes == live_during
+    gc.collect()
+    assert offloader.stats.live_bytes == 0  # backward done, graph freed: the host copies are gone too
+
+
+def test_module_form_in_place_idempotent_reversible_and_eval() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    names = [n for n, _ in block.named_parameters()]
+    assert checkpoint(block) is block and is_checkpointed(block)
+    first = offloader_of(block)
+    checkpoint(block)  # no double wrapping
+    assert offloader_of(block) is first and [n for n, _ in block.named_parameters()] == names
+    x = torch.randn(3, 8, requires_grad=True)
+    block(x).sum().backward()
+    assert first is not None and first.stats.packed == 1
+    with torch.no_grad():  # evaluation: nothing saved, nothing packed
+        block(x)
+    assert first.stats.packed == 1
+    remove_checkpoint(block)
+    assert not is_checkpointed(block) and "forward" not in block.__dict__
+    assert offloader_of(checkpoint(nn.Linear(2, 2), offload="none")) is None  # plain checkpointing
+
+
+def test_function_form_with_kwargs_and_bad_input() -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+    f = checkpoint(lambda a, scale=1.0: (a @ w) * scale, offload="cpu")
+    a = torch.randn(2, 4, requires_grad=True)
+    f(a, scale=3.0).sum().backward()
+    g_ref = torch.autograd.grad(((a @ w) * 3.0).sum(), a)[0]
+    assert torch.equal(a.grad, g_ref)
+    with pytest.raises(ValueError, match="offload must be one of"):
+        checkpoint(f, offload="nvme")
+    with pytest.raises(TypeError, match="module or a function"):
+        checkpoint(3)  # type: ignore[arg-type]
+
+
+def test_policy_wraps_repeated_blocks_or_named_classes_once() -> None:
+    model = _model(checkpointing=False)
+    wrapped = apply_activation_offload(model)
+    assert wrapped == list(model.blocks)  # units.py's default policy: the repeated blocks
+    assert apply_activation_offload(model) == []  # setup running again wraps nothing twice
+    shared = {id(offloader_of(b)) for b in model.blocks}
+    assert len(shared) == 1  # one offloader: prefetch across blocks
+    other = _model(checkpointing=False)
+    assert apply_activation_offload(other, ["MLP"]) == [b.mlp for b in other.blocks]
