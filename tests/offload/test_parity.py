@@ -9,6 +9,7 @@ results. ``oopt``/``oparams`` are offload_optimizer/offload_params; ``nvme=1`` g
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.test_zero_stages import _rel, _weights_rel
 from tests.helpers.launch import run_worker
@@ -27,13 +28,26 @@ STEP_IN_BACKWARD = {  # no clipping, one micro-batch per step: the CPU step runs
     "zero2_offload_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1",
     "zero3_offload_step_in_backward": "zero3:oopt=cpu,oparams=cpu,clip=0,accumulate=1",
 }
+PARTIAL = {  # offload_ratio: the leading share of each partition on the host, the rest on the "device"
+    "zero1_ratio0": "zero1:oopt=cpu,ratio=0",
+    "zero1_ratio_half": "zero1:oopt=cpu,ratio=0.5",
+    "zero2_ratio0": "zero2:oopt=cpu,ratio=0",
+    "zero2_ratio_half": "zero2:oopt=cpu,ratio=0.5",
+    "zero3_ratio0": "zero3:oopt=cpu,ratio=0",
+    "zero3_ratio_half": "zero3:oopt=cpu,oparams=cpu,ratio=0.5",
+    "zero2_nvme_ratio_half": "zero2:oopt=nvme,nvme=1,chunk_mb=0.004,ratio=0.5",
+    "zero3_nvme_ratio_half": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004,ratio=0.5",
+}
 SGD = {"zero2_offload_sgd": "zero2:oopt=cpu,opt=sgd", "zero3_offload_nvme_sgd": "zero3:oopt=nvme,oparams=nvme,nvme=1,opt=sgd"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     specs = {"ddp": "ddp", "ddp_sgd": "ddp:opt=sgd", "ddp_noclip": "ddp:clip=0,accumulate=1", **PARITY, **SGD,
-             **STEP_IN_BACKWARD,
+             **STEP_IN_BACKWARD, **PARTIAL,
+             "zero2_ratio_one": "zero2:oopt=cpu,ratio=1",
+             "zero2_ratio_half_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1,ratio=0.5",
+             "zero2_ratio_half_resume": "zero2:oopt=cpu,ratio=0.5,n_train=160,steps=20,resume=1",
              "zero3_dpu": "zero3:oopt=cpu,oparams=cpu,dpu=3",
              "zero3_nvme_resume": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004,n_train=160,steps=20,resume=1"}
     return run_worker(tmp_path_factory.mktemp("offload"), 2, specs, timeout=1200)
@@ -58,6 +72,38 @@ def test_step_in_backward_matches_ddp(runs: dict[str, dict], name: str) -> None:
     assert max(_weights_rel(got["weights"], ref["weights"]).values()) < 1e-4
     for r_got, r_ref in zip(got["per_rank"], ref["per_rank"]):
         assert _rel(r_got["losses"], r_ref["losses"]) < 1e-4
+
+
+@pytest.mark.parametrize("name", sorted(PARTIAL))
+def test_partial_offload_matches_ddp(runs: dict[str, dict], name: str) -> None:
+    """Clipped, 2 accumulated micro-batches: host norm + device norm, host and device Adam on one step count."""
+    got, ref = runs[name], runs["ddp"]
+    assert len(got["losses"]) == len(ref["losses"]) >= 60
+    assert _rel(got["losses"], ref["losses"]) < 1e-4
+    bad = {k: v for k, v in _weights_rel(got["weights"], ref["weights"]).items() if v > 1e-4}
+    assert not bad, bad
+    for r_got, r_ref in zip(got["per_rank"], ref["per_rank"]):
+        assert _rel(r_got["losses"], r_ref["losses"]) < 1e-4
+
+
+def test_ratio_one_is_todays_path_bitwise(runs: dict[str, dict]) -> None:
+    got, ref = runs["zero2_ratio_one"], runs["zero2_offload"]
+    assert got["losses"] == ref["losses"]
+    assert got["weights"].keys() == ref["weights"].keys()
+    assert all(torch.equal(got["weights"][k], ref["weights"][k]) for k in ref["weights"])
+
+
+def test_partial_offload_steps_in_backward(runs: dict[str, dict]) -> None:
+    got, ref = runs["zero2_ratio_half_step_in_backward"], runs["ddp_noclip"]
+    assert got["eager_steps"] == [30]
+    assert _rel(got["losses"], ref["losses"]) < 1e-4
+    assert max(_weights_rel(got["weights"], ref["weights"]).values()) < 1e-4
+
+
+def test_partial_offload_checkpoint_resume(runs: dict[str, dict]) -> None:
+    """The device share's states go through the host mirror into the checkpoint and back."""
+    run = runs["zero2_ratio_half_resume"]
+    assert _rel(run["resumed_losses"], run["losses"][-20:]) < 1e-6
 
 
 def test_clipped_accumulated_runs_step_after_backward(runs: dict[str, dict]) -> None:
@@ -85,6 +131,7 @@ def test_nvme_checkpoint_resume(runs: dict[str, dict]) -> None:
     assert _rel(run["resumed_losses"], run["losses"][-20:]) < 1e-6
 
 
-@pytest.mark.parametrize("name", ["zero2_offload_nvme", "zero3_offload_nvme", "zero3_offload_nvme_sgd", "zero3_nvme_resume"])
+@pytest.mark.parametrize("name", ["zero2_offload_nvme", "zero3_offload_nvme", "zero3_offload_nvme_sgd", "zero3_nvme_resume",
+                                  "zero3_nvme_ratio_half"])
 def test_swap_files_removed_after_fit(runs: dict[str, dict], name: str) -> None:
     assert runs[name]["nvme_left"] == ["lightning_zero_swap", "lightning_zero_swap/README.txt"]
