@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning_zero.ops.builder import OpBuilder
 from lightning_zero.ops.cpu_adam import CPUAdamBuilder
+from lightning_zero.ops.cpu_adam_lowp import CPUAdamLowpBuilder
 from lightning_zero.ops.fused_adam import FusedAdamBuilder
 from lightning_zero.ops.fused_lamb import FusedLambBuilder
 from lightning_zero.ops.sign_pack_builders import SignPackCPUBuilder, SignPackCUDABuilder
@@ -13,6 +14,7 @@ OPS: dict[str, OpBuilder] = {
     builder.name: builder
     for builder in (
         CPUAdamBuilder(),
+        CPUAdamLowpBuilder(),
         FusedAdamBuilder(),
         FusedLambBuilder(),
         SignPackCPUBuilder(),
