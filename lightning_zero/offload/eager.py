@@ -41,12 +41,15 @@ class EagerStep:
         self._pool = pool
         self._update = update
         self._futures: list[Future] = []
+        self._by_start: dict[tuple[int, int], Future] = {}
         self.covered: list[tuple[int, int, int]] = []
 
     def submit(self, gi: int, lo: int, hi: int, landed: Optional[Any] = None) -> None:
         """Step ``[lo, hi)`` of group ``gi`` once ``landed`` (a CUDA event, or None: already there) is done."""
         self.covered.append((gi, lo, hi))
-        self._futures.append(self._pool.submit(self._run, gi, lo, hi, landed))
+        future = self._pool.submit(self._run, gi, lo, hi, landed)
+        self._futures.append(future)
+        self._by_start[(gi, lo)] = future
 
     def run_now(self, gi: int, lo: int, hi: int) -> None:
         """Step a range in the calling thread (one the backward never reached)."""
@@ -58,6 +61,13 @@ class EagerStep:
             landed.synchronize()
         self._update(gi, lo, hi)
 
+    def wait(self, gi: int, lo: int) -> None:
+        """Wait until the range of group ``gi`` starting at ``lo`` is stepped (if it was submitted; a
+        failure is not raised here but by ``finish``, once every range has ended)."""
+        future = self._by_start.get((gi, lo))
+        if future is not None:
+            future.exception()
+
     def finish(self) -> None:
         """Wait for every submitted range; the first failure is raised here, in the training thread."""
         errors = []
@@ -67,6 +77,7 @@ class EagerStep:
             except BaseException as err:  # every range must have finished before anything is re-raised
                 errors.append(err)
         self._futures.clear()
+        self._by_start.clear()
         if errors:
             raise errors[0]
 

@@ -376,6 +376,12 @@ class OffloadMixin:
             )
         for gi, lo, hi in uncovered(self._splits, eager.covered):
             eager.run_now(gi, lo, hi)
+        self._upload_from = self._up
+        for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
+            for bi, b in enumerate(fg.layout.buckets):
+                if b.shard_offset < self._splits[gi]:
+                    eager.wait(gi, b.shard_offset)
+                    self._bucket_stepped(gi, bi)
         self._steps += 1
         self._upload_from, self._upload_pending = self._up, True
         self._out_valid = True
@@ -438,7 +444,8 @@ class OffloadMixin:
         self._steps += 1
         if self._dpu_pool is None or self._steps <= self.offload.delayed_param_update_warmup:
             self._wait_h2d(self._up)
-            self._cpu_step(grads, coef, self._up)
+            self._upload_from = self._up
+            self._cpu_step(grads, coef, self._up, pipelined=True)
             self._step_device_share(coef)
             self._upload_from, self._upload_pending = self._up, True
             return
@@ -458,7 +465,10 @@ class OffloadMixin:
         self._dpu_future = self._dpu_pool.submit(self._cpu_step, grads, coef, nxt, hypers)
 
     def _cpu_step(self, grads: list[Tensor], coef: float, up: int,
-                  hypers: Optional[list[Optional[AdamHyper]]] = None) -> None:
+                  hypers: Optional[list[Optional[AdamHyper]]] = None, pipelined: bool = False) -> None:
+        """The host share's step after backward. ``pipelined`` (the training thread, synchronous step):
+        bucket by bucket, each bucket's upload started as soon as it is stepped (``_bucket_stepped``);
+        never from the delayed update's thread, which must not issue collectives."""
         opt = self.optimizer
         hypers = hypers or [adam_hyper(opt, pg) for pg in opt.param_groups]
         outs = [self._upload_buffer(gi, up) for gi in range(len(self.groups))]
@@ -488,12 +498,21 @@ class OffloadMixin:
                 store.adam_step(gi, grad, out, update, limit=self._splits[gi])
                 continue
             update_range = self._begin_host_adam(gi, grad, out, hyper, scale, threads)
-            n = self._splits[gi]
-            for lo in range(0, n, STEP_CHUNK):  # see STEP_CHUNK
-                update_range(lo, min(n, lo + STEP_CHUNK))
-            if out is not None and out.dtype == torch.float32:
-                out[:n].copy_(fg.master[:n])
+            for bi, b in enumerate(fg.layout.buckets):
+                if b.shard_offset >= self._splits[gi]:
+                    break  # the device share (device_share.py)
+                end = b.shard_offset + b.chunk
+                for lo in range(b.shard_offset, end, STEP_CHUNK):  # see STEP_CHUNK
+                    update_range(lo, min(end, lo + STEP_CHUNK))
+                if out is not None and out.dtype == torch.float32:
+                    out[b.shard_offset : end].copy_(fg.master[b.shard_offset : end])
+                if pipelined:
+                    self._bucket_stepped(gi, bi)
         self._out_valid = True
+
+    def _bucket_stepped(self, gi: int, bi: int) -> None:
+        """Bucket ``bi`` of group ``gi`` has its final 16-bit values in the upload source (stages 1-2
+        start its upload and all-gather here; stage 3 uploads after the step)."""
 
     def _begin_host_adam(self, gi: int, grad: Tensor, out: Optional[Tensor], hyper: AdamHyper, scale: float,
                          threads: int) -> Callable[[int, int], None]:
@@ -629,7 +648,46 @@ def _resident_bytes(store: Any) -> float:
 
 
 class FlatOffloadMixin(OffloadMixin):
-    """Stages 1-2: after the CPU step, upload this rank's chunks and all-gather the full parameters."""
+    """Stages 1-2: upload this rank's chunks and all-gather the full parameters, bucket by bucket as
+    the CPU step finishes each (see [Note: uploads follow the CPU step])."""
+
+    # [Note: uploads follow the CPU step]
+    # A bucket's host-to-device copy and all-gather start as soon as its range is stepped, while the
+    # CPU steps the next bucket (and, stepping during backward, as soon as the step thread is past
+    # it), instead of after the whole step. Collectives must go in the same order on every rank, and
+    # ranks may split their partitions differently (offload_ratio='auto' decides per rank), so
+    # buckets are launched strictly in bucket order: a ready bucket waits for every bucket before it,
+    # and the device share's buckets (stepped last, device_share.py) are launched by ``_write_back``.
+
+    def _setup_offload(self) -> None:
+        super()._setup_offload()
+        self._gather_ready: set[tuple[int, int]] = set()
+        self._gather_cursor = 0
+        self._gather_works: list[Any] = []
+
+    def _bucket_stepped(self, gi: int, bi: int) -> None:
+        self._gather_ready.add((gi, bi))
+        order = self._gather_order()
+        while self._gather_cursor < len(order) and order[self._gather_cursor] in self._gather_ready:
+            self._launch_gather(*order[self._gather_cursor])
+            self._gather_cursor += 1
+
+    def _gather_order(self) -> list[tuple[int, int]]:
+        return [(gi, bi) for gi, fg in enumerate(self.groups) for bi in range(len(fg.layout.buckets))]
+
+    def _launch_gather(self, gi: int, bi: int) -> None:
+        """Upload and all-gather bucket ``bi`` of group ``gi`` from the current upload source."""
+        fg = self.groups[gi]
+        b = fg.layout.buckets[bi]
+        lo, hi = b.shard_offset, b.shard_offset + b.chunk
+        on_device = self._share is not None and self._share.owns(gi, lo)
+        chunk = self._share.source(gi, lo, hi) if on_device else self._upload_source(gi)[lo:hi]  # type: ignore[union-attr]
+        dst = fg.bucket_view(fg.flat_param, bi)
+        if self.dp_size == 1:
+            dst.copy_(chunk, non_blocking=True)
+        else:
+            send = chunk.to(self.compute_dtype) if on_device else stage_to_device(chunk, self.device, self.compute_dtype)
+            self._gather_works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
 
     def after_master_load(self) -> None:
         self._push_loaded_share()
@@ -644,20 +702,13 @@ class FlatOffloadMixin(OffloadMixin):
         if not self._upload_pending:
             return
         self._upload_pending = False
-        works = []
-        for gi, fg in enumerate(self.groups):
-            src = self._upload_source(gi)
-            for bi, b in enumerate(fg.layout.buckets):
-                lo, hi = b.shard_offset, b.shard_offset + b.chunk
-                on_device = self._share is not None and self._share.owns(gi, lo)
-                chunk = self._share.source(gi, lo, hi) if on_device else src[lo:hi]  # type: ignore[union-attr]
-                dst = fg.bucket_view(fg.flat_param, bi)
-                if self.dp_size == 1:
-                    dst.copy_(chunk, non_blocking=True)
-                else:
-                    send = chunk.to(self.compute_dtype) if on_device else stage_to_device(chunk, self.device, self.compute_dtype)
-                    works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
+        order = self._gather_order()
+        while self._gather_cursor < len(order):  # what the step did not start (device share, NVMe, SGD...)
+            self._launch_gather(*order[self._gather_cursor])
+            self._gather_cursor += 1
         self._record_h2d(self._upload_from)
+        works, self._gather_works = self._gather_works, []
+        self._gather_cursor, self._gather_ready = 0, set()
         for w in works:
             w.wait()
 

@@ -98,7 +98,7 @@ class HostBytes(pl.Callback):
         host += [v for st in trainer.optimizers[0].state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
         host += [t for hg in e._grads for t in [hg.landing, hg.acc, *hg.spares] if t is not None]
         host += [t for ups in e._uploads for t in ups]
-        if e.offload.params == "cpu":
+        if e.offload.offload_params == "cpu":
             host += [fg.shard16 for fg in e.groups]
         if e._opt_store is not None:
             host += [b for (slot, key, dtype), b in e._opt_store._bufs.items() if key != "io"]
