@@ -211,7 +211,7 @@ class _Coeffs:
         self.lr_wd = f32(lr * weight_decay) if adamw_mode else 0.0
 
 
-def _sqrt32(x: Tensor) -> Tensor:
+def sqrt32(x: Tensor) -> Tensor:
     """Correctly rounded fp32 square root (``sqrtf``; see [Note: bitwise reference])."""
     return torch.sqrt(x.to(torch.float64)).to(torch.float32)
 
@@ -223,7 +223,7 @@ def _moments(c: _Coeffs, p: Tensor, grad: Tensor, m0: Tensor, v0: Tensor) -> tup
         g = g + p * c.weight_decay
     m = m0 * c.beta1 + g * c.omb1
     v = v0 * c.beta2 + (g * c.omb2) * g
-    return m, v, _sqrt32(v)
+    return m, v, sqrt32(v)
 
 
 def _update(c: _Coeffs, m: Tensor, w: Tensor) -> Tensor:

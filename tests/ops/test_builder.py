@@ -79,7 +79,7 @@ def test_everything_works_with_the_compiler_hidden(hide: dict[str, str], tmp_pat
     report = _run({**hide, "LIGHTNING_ZERO_BUILD_DIR": str(tmp_path)}, "report")
     assert report.returncode == 0 and "| cpu_adam | cpu | no | no | no |" in report.stdout
     assert expected in report.stdout and "falls back to torch's fused CPU Adam" in report.stdout
-    assert "Runs a slower fallback instead (see notes): cpu_adam, sign_pack_cpu." in report.stdout
+    assert "Runs a slower fallback instead (see notes): cpu_adam, cpu_adam_lowp, sign_pack_cpu." in report.stdout
 
 
 def test_prebuilt_ops_load_without_compiler(cpu_adam_op: object, sign_pack_cpu_op: object) -> None:
