@@ -44,6 +44,7 @@ from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.zero.buffers import BufferSync
+from lightning_zero.zero.compile import CompilePlan, compile_for_strategy
 from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.stage1 import Stage1Engine
@@ -101,6 +102,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self._watchdog: Optional[PeerWatchdog] = None
         self._failed = False
         """Set by on_exception: teardown then releases everything without a collective."""
+        self.compile_plan: Optional[CompilePlan] = None
+        """What zero/compile.py compiled or made eager at the last setup (None: nothing to do)."""
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -208,6 +211,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if has_meta_params(self.model):  # not fitting, or parameters outside every optimizer
             materialize_modules(list(self.model.modules()), self.root_device)
         self.precision_plugin.convert_module(self.model)
+        self.compile_plan = compile_for_strategy(  # the one call site of torch.compile (zero/compile.py)
+            self.lightning_module, [u for e in self._stage3_engines()[:1] for u in e.units[1:]], self.config)
         if self.config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
             units = [u.module for e in self._stage3_engines() for u in e.units[1:] if u.module is not None]
             apply_activation_offload(self.model, self.config.activation_offload_policy, units)

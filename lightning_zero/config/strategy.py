@@ -14,6 +14,8 @@ VALID_STAGES = (0, 1, 2, 3)
 VALID_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 VALID_OFFLOAD = ("none", "cpu", "nvme")
 VALID_CHECKPOINT_FORMATS = ("sharded", "full")
+COMPILE_ARGS = frozenset({"backend", "mode", "fullgraph", "dynamic", "options", "disable"})
+"""Keyword arguments of ``torch.compile`` that ``compile_options`` may set."""
 
 
 @dataclass
@@ -143,6 +145,17 @@ class ZeroConfig:
     """With ``activation_offload``: which modules are checkpointed, as class names or fnmatch patterns
     of module names (like ``unit_policy``); None takes the stage-3 units (or the repeated blocks)."""
 
+    compile: bool = False
+    """torch.compile each unit one by one (stage 3's units; below stage 3 the repeated blocks the same
+    policy finds), with ZeRO-3's gather/release hooks outside the compiled regions, as FSDP2 does with
+    per-block compile (lightning_zero/zero/compile.py). Without it, a network the user compiled
+    still works under every stage; under stage 3 the user's whole-network compile is moved onto the
+    units ([Note: the user's compile under stage 3]). The first batch of each kind runs eagerly under stage 3."""
+
+    compile_options: Optional[dict[str, Any]] = None
+    """With ``compile``: keyword arguments of ``torch.compile`` (``backend``, ``mode``, ``fullgraph``,
+    ``dynamic``, ``options``); None uses torch's defaults (inductor)."""
+
     pipeline_stages: int = 1
     """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
 
@@ -202,6 +215,7 @@ class ZeroConfig:
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._validate_pipeline()
         self._validate_offload()
+        self._validate_compile()
         if self.process_group_backend not in (None, "nccl", "gloo"):
             raise ValueError(
                 f"process_group_backend must be one of [None, 'nccl', 'gloo'], got {self.process_group_backend!r}."
@@ -218,6 +232,18 @@ class ZeroConfig:
             raise ValueError(
                 f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], got {self.start_method!r}."
             )
+
+    def _validate_compile(self) -> None:
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be True or False, got {self.compile!r}.")
+        if self.compile_options is not None:
+            if not isinstance(self.compile_options, dict):
+                raise ValueError(f"compile_options must be a dict of torch.compile arguments, got {self.compile_options!r}.")
+            bad = sorted(set(self.compile_options) - COMPILE_ARGS)
+            if bad:
+                raise ValueError(f"compile_options has unknown torch.compile argument(s) {bad}; valid: {sorted(COMPILE_ARGS)}.")
+            if not self.compile:
+                raise ValueError("compile_options is set but compile is False: set compile=True too.")
 
     def _validate_pipeline(self) -> None:
         if not (isinstance(self.microbatches, int) and self.microbatches >= 1):

@@ -15,7 +15,8 @@ can gather for whole steps (the step gathers after those hooks ran), so a read o
 parameter there raises :class:`ReleasedParameterRead`, which names the parameter, the line and the
 fixes, before torch touches the empty storage (some kernels would crash the process). After the
 first batch the watch is off (it costs a few microseconds per torch call); a read first made in a
-later step reaches torch, whose error :func:`explain_released_read` rewrites.
+later step reaches torch, whose error :func:`explain_released_read` rewrites. Watched batches run
+with torch.compile's stance set to eager (compile.py [Note: first batches run eagerly]).
 """
 
 from __future__ import annotations
@@ -84,6 +85,23 @@ class ReadWatch(TorchFunctionMode):
                 for p in unit.params:
                     self.owner[id(p)] = (engine, unit)
         self.found: list[str] = []
+        self._stance: Optional[Any] = None
+
+    def __enter__(self) -> "ReadWatch":
+        """Watched batches run eagerly: dynamo would trace this mode into every compiled unit
+        (compile.py [Note: first batches run eagerly])."""
+        import torch
+
+        self._stance = torch.compiler.set_stance("force_eager")  # set now; restored by __exit__
+        return super().__enter__()  # type: ignore[return-value]
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            stance, self._stance = self._stance, None
+            if stance is not None:
+                stance.__exit__(None, None, None)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}

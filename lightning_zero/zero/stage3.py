@@ -58,6 +58,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _outside_compile(hook: Any) -> Any:
+    """A unit hook that torch.compile never traces ([Note: hooks outside compiled regions] in compile.py)."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 def _tensors(output: Any) -> list[Tensor]:
     if isinstance(output, Tensor):
         return [output]
@@ -254,7 +259,7 @@ class Stage3Engine(Stage2Engine):
                 return _after_unit_backward(args, kwargs, lambda: self._unit_backward_done(unit))
             return None
 
-        return hook
+        return _outside_compile(hook)
 
     def _unit_backward_done(self, unit: Unit) -> None:
         """The gradients of a unit's inputs are computed: its backward no longer needs its weights."""
@@ -275,7 +280,7 @@ class Stage3Engine(Stage2Engine):
             self.release(unit)
             return output
 
-        return hook
+        return _outside_compile(hook)
 
     def _catch_up_forward(self, unit: Unit) -> None:
         """[Note: units skipped on one rank] Gathers are collectives, so every rank must issue them in
