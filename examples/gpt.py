@@ -72,6 +72,11 @@ class GPTConfig:
     """With ``pld``: the keep ratio the schedule decays to (DeepSpeed's theta)."""
     pld_gamma: float = 0.001
     """With ``pld``: the decay rate per optimizer step (DeepSpeed's gamma)."""
+    compile: bool = False
+    """torch.compile the network (:meth:`GPTModule.compile_network`): the plain GPT with ``.compile()``
+    (under ZeRO-3 the strategy moves it onto the blocks, its units), the pipeline form block by block."""
+    compile_mode: Optional[str] = None
+    """With ``compile``: torch.compile's ``mode`` (e.g. 'max-autotune-no-cudagraphs'); None is its default."""
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
@@ -453,6 +458,29 @@ class GPTModule(L.LightningModule):
         if self.config.pld and self.use_pipeline:
             raise ValueError("model.pld needs the plain GPT (its block loop drops layers); pipeline stages run a fixed layer list.")
         self.model = self._build_model()
+        if self.config.compile:
+            self.compile_network()
+
+    def compile_network(self) -> None:
+        """``model.compile=true``: compile ``self.model`` as a torch.compile user would, keeping parameter
+        names (``.compile()`` rather than ``torch.compile(model)``'s ``_orig_mod.`` wrapper). The plain GPT is
+        compiled whole; the pipeline form block by block (its own forward runs the schedule between
+        stages; its layers exist once the strategy placed them: compiled at fit start)."""
+        if self.model is None:
+            return
+        options = {"mode": self.config.compile_mode} if self.config.compile_mode else {}
+        if isinstance(self.model, PipelineModule):
+            for module in self.model.modules():
+                if isinstance(module, Block) and module._compiled_call_impl is None:
+                    module.compile(**options)
+        elif self.model._compiled_call_impl is None:
+            self.model.compile(**options)
+
+    @override
+    def on_fit_start(self) -> None:
+        if self.config.compile and isinstance(self.model, PipelineModule):
+            self.compile_network()  # its layers are built by now (a plain GPT was compiled in __init__, and
+            # under ZeRO-3 the strategy has since moved that compile onto the blocks: left as it is)
 
     @override
     def configure_callbacks(self) -> list[L.Callback]:

@@ -4,7 +4,8 @@ Usage: torchrun --nproc-per-node N tests/compile/compile_worker.py OUT NAME=SPEC
 SPEC is ``kind[:key=value,...]`` with kind ``ddp`` or ``zeroK``. Keys: compile (how the network is
 compiled: ``net`` = ``self.model = torch.compile(self.model)``, ``netfull`` = the same with
 fullgraph=True, ``method`` = ``self.model.compile()``, ``blocks`` = each block ``.compile(fullgraph=True)``,
-``strategy`` = ``ZeroStrategy(compile=True)``, ``none``), backend (``aot_eager`` or ``inductor``),
+``strategy`` = ``ZeroStrategy(compile=True)``, ``example`` = the example's ``GPTConfig(compile=True)``
+with the backend forced through ``torch.compiler.set_stance``, ``none``), backend (``aot_eager`` or ``inductor``),
 precision, ac (activation checkpointing: 1), offload (1: optimizer and parameters in host memory),
 pp (pipeline stages), steps. Rank 0 writes ``OUT/NAME.pt`` with per-step losses of every rank, the
 dynamo counters (graph breaks, unique graphs, calls captured), how many times a compiled graph ran
@@ -62,7 +63,8 @@ class CompiledGPT(GPTModule):
     """The example GPT, compiled the way ``how`` says, recording per-step losses and compiled-graph runs."""
 
     def __init__(self, how: str, backend: Callable[..., Any], calls: list[int], ac: bool, pipeline: bool) -> None:
-        cfg = GPTConfig(vocab_size=VOCAB, n_layer=N_LAYER, n_head=2, d_model=32, seq_len=SEQ, activation_checkpointing=ac)
+        cfg = GPTConfig(vocab_size=VOCAB, n_layer=N_LAYER, n_head=2, d_model=32, seq_len=SEQ, activation_checkpointing=ac,
+                        compile=how == "example")
         super().__init__(cfg, lr=3e-3, warmup_steps=1, pipeline=pipeline)
         self.calls = calls
         self.losses: list[float] = []
@@ -119,7 +121,11 @@ def run(name: str, spec: str, out: str) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(model)
+    if how == "example":
+        with torch.compiler.set_stance("default", force_backend=backend):
+            trainer.fit(model)
+    else:
+        trainer.fit(model)
     plan = getattr(trainer.strategy, "compile_plan", None)
     result = {
         "losses": model.losses,

@@ -33,7 +33,9 @@ RUNS = {
     "zero3_inductor": "zero3:compile=strategy,backend=inductor",
     "zero3_bf16": "zero3:precision=bf16-mixed",
     "zero3_bf16_eager": "zero3:precision=bf16-mixed,compile=none",
+    "zero3_example": "zero3:compile=example",
     "pipe": "zero1:pp=2,compile=strategy",
+    "pipe_example": "zero1:pp=2,compile=example",
     "pipe_eager": "zero1:pp=2,compile=none",
 }
 
@@ -59,7 +61,7 @@ def _max_diff(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "zero3_offload", "zero3_fullgraph", "zero3_method",
-                                  "zero3_blocks_ac", "zero3_option_ac", "zero3_inductor"])
+                                  "zero3_blocks_ac", "zero3_option_ac", "zero3_inductor", "zero3_example"])
 def test_losses_match_compiled_ddp(runs: dict[str, dict], name: str) -> None:
     ref, got = runs["ddp"], runs[name]
     assert ref["graph_runs"] == [1] * len(ref["losses"])  # the oracle really ran compiled: one graph per step
@@ -77,7 +79,7 @@ def test_stages_below_3_compile_the_whole_network(runs: dict[str, dict], name: s
 
 
 @pytest.mark.parametrize("name", ["zero3", "zero3_offload", "zero3_fullgraph", "zero3_method", "zero3_blocks_ac",
-                                  "zero3_option_ac", "zero3_inductor", "zero3_bf16"])
+                                  "zero3_option_ac", "zero3_inductor", "zero3_bf16", "zero3_example"])
 def test_zero3_runs_every_unit_compiled_with_at_most_one_break_per_step(runs: dict[str, dict], name: str) -> None:
     run = runs[name]
     steps = len(run["losses"])
@@ -96,6 +98,7 @@ def test_users_whole_network_compile_moves_onto_the_units(runs: dict[str, dict])
         assert plan["made_eager"] == ["model"] and plan["compiled"] == UNITS == runs[name]["units"]
     assert runs["zero3_method"]["plan"]["made_eager"] == ["model"]
     assert runs["zero3_method"]["plan"]["compiled"] == PLAIN_UNITS
+    assert runs["zero3_example"]["plan"] == runs["zero3_method"]["plan"]  # the example's model.compile=true
 
 
 def test_per_block_compile_and_the_compile_option(runs: dict[str, dict]) -> None:
@@ -120,10 +123,13 @@ def test_mixed_precision_compiled_matches_eager(runs: dict[str, dict]) -> None:
     assert _max_diff(compiled["losses"], runs["zero3"]["losses"]) > 0  # bf16 really ran (not fp32)
 
 
-def test_pipeline_stages_compile_their_layers(runs: dict[str, dict]) -> None:
-    compiled, eager = runs["pipe"], runs["pipe_eager"]
+@pytest.mark.parametrize("name", ["pipe", "pipe_example"])
+def test_pipeline_stages_compile_their_layers(runs: dict[str, dict], name: str) -> None:
+    """2 pipeline stages (dp 1): the strategy's option compiles the stage's layers, the example its blocks."""
+    compiled, eager = runs[name], runs["pipe_eager"]
     assert _max_diff(compiled["losses"], eager["losses"]) < 1e-3
-    assert compiled["plan"]["compiled"]  # this stage's layers
-    assert all(".layers." in n for n in compiled["plan"]["compiled"])
-    assert sum(compiled["graph_runs"]) > 0 and sum(eager["graph_runs"]) == 0
+    if name == "pipe":
+        assert compiled["plan"]["compiled"] and all(".layers." in n for n in compiled["plan"]["compiled"])
+    assert all(r["graph_runs"] and min(r["graph_runs"]) > 0 for r in compiled["per_rank"])  # every step, both stages
+    assert sum(eager["graph_runs"]) == 0
     assert compiled["graph_breaks"] == 0
