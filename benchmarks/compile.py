@@ -1,0 +1,183 @@
+"""torch.compile's speed-up under each strategy, side by side, in one run (issue #16).
+
+GPT-1.3B (``conf/model/gpt_1b.yaml``), micro-batch 8 per GPU, seq 1024, ``bf16-mixed``, torch
+AdamW(fused=True), each configuration eager and compiled (``<peer>`` and ``<peer>_compiled``):
+
+* 1 GPU: ``single`` (Lightning's single device), ``zero3`` (``ZeroStrategy(stage=3)``), ``fsdp``
+  (Lightning's FSDPStrategy as its docs advise for compile: FULL_SHARD, ``auto_wrap_policy={Block}``,
+  ``use_orig_params=True``);
+* 2 GPUs: ``ddp`` and ``zero3``.
+
+Compiled = the example's ``model.compile=true``: every transformer block ``.compile()``d (inductor,
+torch's default mode: no CUDA graphs), the same code under every strategy (compile_worker.py). The
+table has peers.py's columns plus the compile speed-up over the same peer's eager run and what
+dynamo counted (graph breaks, unique graphs); then the issue's targets as same-run ratios:
+``zero3_compiled`` >= 0.98x ``single_compiled`` and >= 1.0x ``fsdp_compiled`` on 1 GPU, >= 1.0x
+``ddp_compiled`` on 2.
+
+    python3 benchmarks/compile.py --gpus 1 --budget-s 460          # ~7 min on one H100/H200
+    python3 benchmarks/compile.py --gpus 2 --budget-s 460          # nvidia-h200-x2
+    python3 benchmarks/compile.py --device cpu --model tiny --gpus 1 --configs zero3,zero3_compiled --steps 2 --warmup 3
+
+As peers.py (whose run loop, process handling and table this reuses): one process tree per
+configuration, this parent never imports torch, failures and timeouts become rows, ``--budget-s``
+bounds the run and the table is always printed. Compilation happens during the warm-up steps (under
+ZeRO-3 the first batch runs eagerly: zero/compile.py [Note: first batches run eagerly]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from peers import (  # noqa: E402
+    _note, add_runner_args, child_env, meta as peers_meta, reap_workers, reason_from_tail, run_benchmark, run_child,
+)
+from peers_report import (  # noqa: E402
+    Row, Target, _fmt, _versions_line, build_row, meta_record, render_table, render_targets,
+)
+
+WORKER = HERE / "compile_worker.py"
+DEFAULTS = {
+    1: ["single_compiled", "zero3_compiled", "fsdp_compiled", "single", "zero3", "fsdp"],
+    2: ["ddp_compiled", "zero3_compiled", "ddp", "zero3"],
+}
+"""Compiled runs first (the targets need them), then the eager ones (the speed-ups)."""
+ALL = sorted({c for cs in DEFAULTS.values() for c in cs})
+TARGETS: tuple[Target, ...] = (
+    Target(1, "zero3_compiled", "tokens", "single_compiled", 0.98, 16),
+    Target(1, "zero3_compiled", "tokens", "fsdp_compiled", 1.0, 16),
+    Target(2, "zero3_compiled", "tokens", "ddp_compiled", 1.0, 16),
+)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {ALL}")
+    p.add_argument("--model", default="gpt_1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=4, help="untimed steps before them (compilation happens here)")
+    add_runner_args(p, config_timeout_s=240.0, min_config_s=45.0)
+    args = p.parse_args(argv)
+    if args.warmup < 3:
+        p.error("--warmup must be >= 3 (ZeRO-3's first batch runs eagerly, compilation takes the next ones)")
+    names = args.configs.split(",") if args.configs else DEFAULTS[1 if args.gpus == 1 else 2]
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; valid ones are {ALL}")
+    args.config_names = names
+    args.profile = False
+    return args
+
+
+def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str]:
+    launch = [sys.executable]
+    if args.gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    return launch + [
+        str(WORKER), "--config", config, "--model", args.model, "--micro-batch", str(args.micro_batch),
+        "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+        "--devices", str(args.gpus), "--results-file", str(results),
+    ]
+
+
+def run_config(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float]) -> None:
+    """One configuration, once; every outcome (skip, failure, timeout) is recorded as a row."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left < args.min_config_s:
+        _note(results, config, 0, kind="error", status="skipped", rank=0,
+              reason=f"out of time budget ({max(0.0, left):.0f} s left)")
+        return
+    timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
+    attempt_file = out_dir / f"{config}.jsonl"
+    attempt_file.unlink(missing_ok=True)
+    attempt_file.with_suffix(".pids").unlink(missing_ok=True)
+    print(f"==> {config} (timeout {timeout:.0f} s)")
+    result = run_child(worker_cmd(args, config, attempt_file), child_env(args, "lightning"),
+                       out_dir / f"{config}.log", timeout, prefix=f"[{config}] ")
+    killed = reap_workers(attempt_file.with_suffix(".pids"), WORKER.name)
+    if killed:
+        print(f"... {config}: killed leftover worker processes {killed}")
+    records = [json.loads(line) for line in attempt_file.read_text().splitlines() if line.strip()] \
+        if attempt_file.is_file() else []
+    with results.open("a") as fh:
+        for r in records:
+            fh.write(json.dumps({**r, "attempt": 0}) + "\n")
+    if not records or result.timed_out:
+        _note(results, config, 0, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
+    print(f"<== {config}: {'ok' if result.returncode == 0 and not result.timed_out else 'failed'} in {result.seconds:.0f} s")
+
+
+def meta(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    out = peers_meta(args, command)
+    out["baseline"] = "single_compiled" if args.gpus == 1 else "ddp_compiled"
+    out["reference_comparable"] = False  # DESIGN §7's figures are eager runs
+    return out
+
+
+def _compile_columns(records: list[dict[str, Any]], rows: list[Row]) -> str:
+    """Per peer: compiled tokens/s over eager tokens/s, and dynamo's counters of the compiled run (rank 0)."""
+    by_name = {r.config: r for r in rows}
+    lines = ["| peer | eager tokens/s | compiled tokens/s | compile speed-up | graph breaks | unique graphs | compiled blocks | ZeRO-3 plan |",
+             "|---|---|---|---|---|---|---|---|"]
+    for peer in ("single", "ddp", "fsdp", "zero3"):
+        eager, comp = by_name.get(peer), by_name.get(f"{peer}_compiled")
+        if eager is None and comp is None:
+            continue
+        rank0 = next((r for r in records if r.get("config") == f"{peer}_compiled" and r.get("kind") == "rank"
+                      and r.get("rank") == 0), {})
+        e = eager.tokens_per_s if eager is not None and eager.status == "ok" else None
+        c = comp.tokens_per_s if comp is not None and comp.status == "ok" else None
+        lines.append("| " + " | ".join([
+            f"`{peer}`", _fmt(e, ",.0f"), _fmt(c, ",.0f"), _fmt(c / e if c and e else None, ".3f") + ("×" if c and e else ""),
+            str(rank0.get("graph_breaks", "–")), str(rank0.get("unique_graphs", "–")), str(rank0.get("compiled_blocks", "–")),
+            json.dumps(rank0["compile_plan"]) if rank0.get("compile_plan") else "–",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] = None) -> str:
+    m = meta_record(records)
+    gpus = int(m.get("gpus", 1))
+    names = configs or m.get("configs") or sorted({r["config"] for r in records if "config" in r})
+    rows = [build_row(records, name, gpus) for name in names]
+    ranks = [r for r in records if r.get("kind") == "rank"]
+    device = next((r["device_name"] for r in ranks), m.get("device_name") or "unknown device")
+    dims = m.get("model", {}).get("dims", {})
+    lines = [
+        f"## {m.get('date', '?')} · torch.compile · {gpus} GPU(s) · {device}",
+        "",
+        f"Workload: {m.get('model', {}).get('name', '?')} ({dims.get('n_layer')} layers × d_model {dims.get('d_model')}, "
+        f"seq {dims.get('seq_len')}), micro-batch {m.get('micro_batch')} per GPU, `bf16-mixed`, torch AdamW(fused=True); "
+        f"{m.get('warmup')} warm-up steps (compilation) + {m.get('steps')} timed; compiled = every block `.compile()`d "
+        "(inductor, default mode); `fsdp` = FULL_SHARD, auto_wrap_policy={Block}, use_orig_params=True.",
+        "",
+        f"Versions: {_versions_line(m, next((r.get('versions') for r in ranks), None))}",
+        "",
+        f"Command: `{m.get('command', '?')}`",
+        "",
+        render_table(rows, m),
+        "",
+        _compile_columns(records, rows),
+    ]
+    targets = render_targets(rows, gpus, TARGETS)
+    if targets:
+        lines += ["", targets]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_benchmark(parse_args(argv), argv, "compile", meta, run_config, render_section)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
