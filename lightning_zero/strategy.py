@@ -38,7 +38,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
-from lightning_zero.offload.engine import offload_engine
+from lightning_zero.offload.engines import offload_engine
 from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
@@ -367,7 +367,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
                 "materialize": make_unit_materializer(lm, self.root_device, getattr(lm, "zero_init_module", None)),
             }
         if self.config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
-            engine_cls = offload_engine(engine_cls)
+            engine_cls = offload_engine(self.config.stage)
             trainer = self.lightning_module.trainer if self.lightning_module._trainer is not None else None
             accumulate = trainer is not None and trainer.accumulate_grad_batches > 1
             stage_options["offload"] = OffloadSettings(self.config, self.num_processes, self.global_rank, accumulate)

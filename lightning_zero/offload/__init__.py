@@ -1,7 +1,10 @@
 """ZeRO-Offload and ZeRO-Infinity: optimizer states and parameters in host memory or on NVMe.
 
-``engine.py`` mixes offload into the ZeRO engines at their marked steps; ``cpu.py`` runs the step on
-the CPU; ``pinned.py`` allocates host buffers; ``nvme.py`` does the swap-file I/O; ``swap_state.py``
+``engines.py`` names the offloading engine of each stage: ``engine.py`` (what all stages share) with
+``flat.py`` (stages 1-2) or ``sharded.py`` (stage 3) mixed into the ZeRO engines at their marked
+steps, ``eager.py`` (the step during backward), ``delayed.py`` (the delayed update) and
+``device_share.py`` (partial offload) as its parts; ``settings.py`` reads ZeroConfig; ``cpu.py`` runs
+the step on the CPU; ``pinned.py`` allocates host buffers; ``nvme.py`` does the swap-file I/O; ``swap_state.py``
 and ``params.py`` keep optimizer states and stage-3 partitions in swap files; ``estimator.py`` says
 what each setting needs (``python -m lightning_zero.estimate``).
 """

@@ -30,6 +30,10 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
+import torch
+
+from lightning_zero.offload.cpu import adam_hyper
+
 UpdateRange = Callable[[int, int, int], None]
 """(param group, first element, end element) -> None: step that range of the group's partition."""
 
@@ -98,3 +102,62 @@ def uncovered(sizes: list[int], covered: list[tuple[int, int, int]]) -> list[tup
         if pos < size:
             out.append((gi, pos, size))
     return out
+
+
+class StepInBackwardMixin:
+    """The step-during-backward part of the offload engine (engine.py's OffloadMixin derives from it):
+    started at a backward's first bucket, finished (and the uploads started) when the step comes."""
+
+    _eager: Optional[EagerStep]
+    _eager_pool: Optional[ThreadPoolExecutor]
+
+    def _eager_for_this_backward(self) -> Optional[EagerStep]:
+        """This backward's step-during-backward, started at its first bucket (None: step after backward)."""
+        if self._eager is not None:
+            if self._backwards > 0:
+                raise RuntimeError(
+                    "step_in_backward: a second backward before the optimizer step; the update ran during the "
+                    "first one. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
+                )
+            return self._eager
+        if not (self.step_in_backward and self._eager_possible and self._backwards == 0):
+            return None
+        self._wait_h2d(self._up)  # the upload buffer about to be written: its last upload must be done
+        threads = max(1, torch.get_num_threads() - 1)  # one core stays with the thread driving backward
+        ranges = []
+        for gi, pg in enumerate(self.optimizer.param_groups):
+            hyper = adam_hyper(self.optimizer, pg)  # this step's learning rate
+            out = self._upload_buffer(gi, self._up)
+            assert hyper is not None and (out is None or out.dtype != torch.float32), "see _eager_possible"
+            ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
+
+        def update(gi: int, lo: int, hi: int) -> None:
+            ranges[gi](lo, hi)
+
+        if self._eager_pool is None:
+            self._eager_pool = ThreadPoolExecutor(1, "lz-step-in-backward")
+        self._eager = EagerStep(self._eager_pool, update)
+        return self._eager
+
+    def _finish_eager(self, coef: float) -> None:
+        """The step that ran during backward: wait for it, step any range it missed, mark the upload."""
+        eager, self._eager = self._eager, None
+        assert eager is not None
+        eager.finish()
+        if coef != 1.0:
+            raise RuntimeError(
+                f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
+                "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
+            )
+        for gi, lo, hi in uncovered(self._splits, eager.covered):
+            eager.run_now(gi, lo, hi)
+        self._upload_from = self._up
+        for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
+            for bi, b in enumerate(fg.layout.buckets):
+                if b.shard_offset < self._splits[gi]:
+                    eager.wait(gi, b.shard_offset)
+                    self._bucket_stepped(gi, bi)
+        self._steps += 1
+        self._upload_from, self._upload_pending = self._up, True
+        self._out_valid = True
+        self.eager_steps += 1

@@ -1,8 +1,10 @@
 """Offload mixed into the ZeRO engines: what changes when masters, states and partitions leave the device.
 
-``offload_engine(ENGINES[stage])`` returns the stage's engine class with :class:`FlatOffloadMixin`
-(stages 1-2) or :class:`ParamOffloadMixin` (stage 3) in front; both extend :class:`OffloadMixin`. They
-override only the engine's marked steps, in the order a step runs them:
+:class:`OffloadMixin` (here) is what every stage shares: host masters, gradients to the host, the CPU
+step. flat.py (stages 1-2) and sharded.py (stage 3) add the write-back; engines.py names the three
+engines. The step during backward (eager.py), the delayed update (delayed.py) and partial offload
+(device_share.py) are the mixin's parts in files of their own. They override only the engine's
+marked steps, in the order a step runs them:
 
 1. construction (``_group_kwargs``): masters in host memory (NVMe: swapped out once built); stage 3's
    gather source ``shard16`` on the device, in pinned host memory, or in swap files;
@@ -15,19 +17,12 @@ override only the engine's marked steps, in the order a step runs them:
    16-bit result into the pinned upload buffer; with the delayed update it runs in a background
    thread and the upload of the *previous* step's result happens instead; when the strategy sets
    ``step_in_backward`` it already ran range by range during step 2 (eager.py) and is only awaited;
+   with ``offload_ratio`` < 1 the device share then steps on the device (device_share.py);
 5. ``_write_back`` (stages 1-2) / ``_refresh_shards`` (stage 3): host-to-device upload, then the
    stage's own all-gather (1-2) or nothing more (3: the next forward gathers unit by unit, copying
    each unit's chunk to the device first through ``_gather_source``).
 
-[Note: delayed parameter update]
-With ``delayed_param_update`` (after ``delayed_param_update_warmup`` synchronous steps) step t's CPU
-update runs in a background thread while the device computes step t+1, which uses the parameters of
-update t-1; step t+1's ``_step_masters`` waits for it, uploads its result and starts update t+1. The
-gradients and upload buffers are doubled so that the thread and the device never share one (events
-order the uploads). The learning rate etc. are read when the update starts. ``host_state`` waits for
-the thread (checkpoints see the latest masters); teardown uploads the last result. The overlap needs
-the CPU op to release the GIL (torch's own kernels do); results differ from the synchronous run by
-design (tests check the exact one-step staleness).
+[Note: delayed parameter update] is in delayed.py.
 
 [Note: one code path on CPU]
 On a CPU-only machine "device" and "host" are both CPU memory, but every buffer above is still a
@@ -43,7 +38,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 from torch import Tensor
@@ -53,14 +48,14 @@ from lightning_zero.offload import estimator as est
 from lightning_zero.offload.cpu import (
     AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
 )
-from lightning_zero.offload.eager import EagerStep, uncovered
+from lightning_zero.offload.delayed import DelayedUpdateMixin
+from lightning_zero.offload.eager import EagerStep, StepInBackwardMixin
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
-from lightning_zero.offload.device_share import DeviceShare, auto_device_numel, auto_ratio, split_at_ratio
-from lightning_zero.offload.params import NvmeParamStore, stage_to_device
+from lightning_zero.offload.device_share import DeviceShare, PartialOffloadMixin, split_at_ratio
 from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
-from lightning_zero.zero.engine import ZeroEngine, _Pending
+from lightning_zero.zero.engine import _Pending
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +82,10 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-class OffloadMixin:
-    """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class."""
+class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin):
+    """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class; the
+    step during backward (eager.py), the delayed update (delayed.py) and partial offload
+    (device_share.py) are its parts in files of their own."""
 
     # attributes of ZeroEngine this mixin relies on (for readers and type checkers)
     groups: list
@@ -235,57 +232,6 @@ class OffloadMixin:
         """Stage 3 with parameters in host memory: the CPU step writes the partitions in place."""
         return False
 
-    # ---------------------------------------------------------------- partial offload (device_share.py)
-    def _host_trio(self, gi: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Group ``gi``'s full-size host master and Adam moments (None before the first step)."""
-        master = self.groups[gi].master
-        st = self.optimizer.state.get(master, {})
-        return master, st.get("exp_avg"), st.get("exp_avg_sq")
-
-    def _share_from_host(self) -> None:
-        """The device shares take their values from the host masters and states (setup, ``auto``)."""
-        assert self._share is not None
-        for gi in range(len(self.groups)):
-            self._share.push(gi, *self._host_trio(gi))
-
-    def _step_device_share(self, coef: float) -> None:
-        """The device share's Adam step, after the host share's (same count and hyper-parameters)."""
-        if self._share is not None:
-            for gi, pg in enumerate(self.optimizer.param_groups):
-                hyper = adam_hyper(self.optimizer, pg)
-                assert hyper is not None, "offload_ratio < 1 needs Adam (checked at setup)"
-                self._share.step(gi, self._step_counts[gi], hyper, 1.0 / coef)
-        if self._auto_pending:
-            self._auto_pending = False
-            self._choose_auto_split()
-
-    def _device_memory(self) -> Optional[tuple[int, int]]:
-        """(total, peak allocated so far) bytes of this rank's device; None on a CPU-only run, where
-        device and host memory are the same and ``auto`` keeps everything on the host."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.get_device_properties(self.device).total_memory, torch.cuda.max_memory_allocated(self.device)
-
-    def _choose_auto_split(self) -> None:
-        """``offload_ratio='auto'`` after the first (fully offloaded) step: move the partition's tail
-        that fits the device there (device_share.py [Note: partial offload])."""
-        mem = self._device_memory()
-        if mem is None:
-            return
-        numels = [fg.layout.shard_numel for fg in self.groups]
-        fits = auto_device_numel(mem[0], mem[1], self.compute_dtype)
-        ratio = auto_ratio(numels, fits)
-        splits = [split_at_ratio(fg.layout, ratio, round_host_up=True) for fg in self.groups]
-        log.info("lightning_zero: offload_ratio='auto' keeps %.3f of the optimizer partition on the host "
-                 "(%.2f GiB peak of %.2f GiB; %d of %d elements move to the device)", ratio, mem[1] / 2**30,
-                 mem[0] / 2**30, sum(n - sp for n, sp in zip(numels, splits)), sum(numels))
-        self.chosen_ratio = ratio
-        if splits == self._splits:
-            return
-        with self.host_state():  # NVMe: the states the device share starts from must be resident
-            self._splits = splits
-            self._share = DeviceShare(splits, numels, self.device, self.compute_dtype)
-            self._share_from_host()
 
     # ---------------------------------------------------------------- backward: gradients to the host
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
@@ -336,62 +282,6 @@ class OffloadMixin:
 
         return _Pending(work, finalize)
 
-    def _eager_for_this_backward(self) -> Optional[EagerStep]:
-        """This backward's step-during-backward, started at its first bucket (None: step after backward)."""
-        if self._eager is not None:
-            if self._backwards > 0:
-                raise RuntimeError(
-                    "step_in_backward: a second backward before the optimizer step; the update ran during the "
-                    "first one. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
-                )
-            return self._eager
-        if not (self.step_in_backward and self._eager_possible and self._backwards == 0):
-            return None
-        self._wait_h2d(self._up)  # the upload buffer about to be written: its last upload must be done
-        threads = max(1, torch.get_num_threads() - 1)  # one core stays with the thread driving backward
-        ranges = []
-        for gi, pg in enumerate(self.optimizer.param_groups):
-            hyper = adam_hyper(self.optimizer, pg)  # this step's learning rate
-            out = self._upload_buffer(gi, self._up)
-            assert hyper is not None and (out is None or out.dtype != torch.float32), "see _eager_possible"
-            ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
-
-        def update(gi: int, lo: int, hi: int) -> None:
-            ranges[gi](lo, hi)
-
-        if self._eager_pool is None:
-            self._eager_pool = ThreadPoolExecutor(1, "lz-step-in-backward")
-        self._eager = EagerStep(self._eager_pool, update)
-        return self._eager
-
-    def _finish_eager(self, coef: float) -> None:
-        """The step that ran during backward: wait for it, step any range it missed, mark the upload."""
-        eager, self._eager = self._eager, None
-        assert eager is not None
-        eager.finish()
-        if coef != 1.0:
-            raise RuntimeError(
-                f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
-                "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
-            )
-        for gi, lo, hi in uncovered(self._splits, eager.covered):
-            eager.run_now(gi, lo, hi)
-        self._upload_from = self._up
-        for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
-            for bi, b in enumerate(fg.layout.buckets):
-                if b.shard_offset < self._splits[gi]:
-                    eager.wait(gi, b.shard_offset)
-                    self._bucket_stepped(gi, bi)
-        self._steps += 1
-        self._upload_from, self._upload_pending = self._up, True
-        self._out_valid = True
-        self.eager_steps += 1
-
-    def _push_loaded_share(self) -> None:
-        """Masters were loaded (inside ``host_state``): the device share takes them now, before the
-        write-back sends its values (the mirror's own push comes only when ``host_state`` ends)."""
-        if self._share is not None:
-            self._share_from_host()
 
     def _sync_d2h(self) -> None:
         if self._d2h is not None:
@@ -449,20 +339,7 @@ class OffloadMixin:
             self._step_device_share(coef)
             self._upload_from, self._upload_pending = self._up, True
             return
-        # delayed update: upload the previous step's result, run this step in the background
-        if self._dpu_future is not None:
-            self._dpu_future.result()
-            self._upload_from, self._upload_pending = self._dpu_up, True
-        else:
-            self._upload_pending = False
-        nxt = 1 - self._upload_from if self._upload_pending else 1 - self._up
-        self._wait_h2d(nxt)
-        hypers = [adam_hyper(self.optimizer, pg) for pg in self.optimizer.param_groups]  # this step's lr
-        for hg in self._grads:
-            hg.rotate()  # the next backward lands elsewhere
-        self._dpu_up = self._up = nxt
-        assert self._dpu_pool is not None
-        self._dpu_future = self._dpu_pool.submit(self._cpu_step, grads, coef, nxt, hypers)
+        self._step_delayed(grads, coef)
 
     def _cpu_step(self, grads: list[Tensor], coef: float, up: int,
                   hypers: Optional[list[Optional[AdamHyper]]] = None, pipelined: bool = False) -> None:
@@ -625,16 +502,6 @@ class OffloadMixin:
             self._finalizer()
         super().abandon()  # type: ignore[misc]
 
-    def _finish_delayed_update(self) -> None:
-        """Wait for the background step and upload its result (collective on stages 1-2: every rank
-        tears down), so evaluation and export after fit see the final parameters."""
-        if self._dpu_future is None:
-            return
-        self._dpu_future.result()
-        self._dpu_future = None
-        self._upload_from, self._upload_pending = self._dpu_up, True
-        self._write_back()  # type: ignore[attr-defined]
-        self._steps = 0  # a later step starts synchronously again
 
     def swap_dir(self) -> Optional[str]:
         return str(self._swapper.dir.path) if self._swapper is not None else None
@@ -647,184 +514,3 @@ def _resident_bytes(store: Any) -> float:
     return sum(fg.layout.shard_numel * 2 for fg in store.groups)
 
 
-class FlatOffloadMixin(OffloadMixin):
-    """Stages 1-2: upload this rank's chunks and all-gather the full parameters, bucket by bucket as
-    the CPU step finishes each (see [Note: uploads follow the CPU step])."""
-
-    # [Note: uploads follow the CPU step]
-    # A bucket's host-to-device copy and all-gather start as soon as its range is stepped, while the
-    # CPU steps the next bucket (and, stepping during backward, as soon as the step thread is past
-    # it), instead of after the whole step. Collectives must go in the same order on every rank, and
-    # ranks may split their partitions differently (offload_ratio='auto' decides per rank), so
-    # buckets are launched strictly in bucket order: a ready bucket waits for every bucket before it,
-    # and the device share's buckets (stepped last, device_share.py) are launched by ``_write_back``.
-
-    def _setup_offload(self) -> None:
-        super()._setup_offload()
-        self._gather_ready: set[tuple[int, int]] = set()
-        self._gather_cursor = 0
-        self._gather_works: list[Any] = []
-
-    def _bucket_stepped(self, gi: int, bi: int) -> None:
-        self._gather_ready.add((gi, bi))
-        order = self._gather_order()
-        while self._gather_cursor < len(order) and order[self._gather_cursor] in self._gather_ready:
-            self._launch_gather(*order[self._gather_cursor])
-            self._gather_cursor += 1
-
-    def _gather_order(self) -> list[tuple[int, int]]:
-        return [(gi, bi) for gi, fg in enumerate(self.groups) for bi in range(len(fg.layout.buckets))]
-
-    def _launch_gather(self, gi: int, bi: int) -> None:
-        """Upload and all-gather bucket ``bi`` of group ``gi`` from the current upload source."""
-        fg = self.groups[gi]
-        b = fg.layout.buckets[bi]
-        lo, hi = b.shard_offset, b.shard_offset + b.chunk
-        on_device = self._share is not None and self._share.owns(gi, lo)
-        chunk = self._share.source(gi, lo, hi) if on_device else self._upload_source(gi)[lo:hi]  # type: ignore[union-attr]
-        dst = fg.bucket_view(fg.flat_param, bi)
-        if self.dp_size == 1:
-            dst.copy_(chunk, non_blocking=True)
-        else:
-            send = chunk.to(self.compute_dtype) if on_device else stage_to_device(chunk, self.device, self.compute_dtype)
-            self._gather_works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
-
-    def after_master_load(self) -> None:
-        self._push_loaded_share()
-        for gi, fg in enumerate(self.groups):  # the 16-bit upload buffers come from the loaded masters
-            out = self._upload_buffer(gi, self._upload_from)
-            if out is not None:
-                out.copy_(fg.master)
-        self._upload_pending = True
-        self._write_back()
-
-    def _write_back(self) -> None:
-        if not self._upload_pending:
-            return
-        self._upload_pending = False
-        order = self._gather_order()
-        while self._gather_cursor < len(order):  # what the step did not start (device share, NVMe, SGD...)
-            self._launch_gather(*order[self._gather_cursor])
-            self._gather_cursor += 1
-        self._record_h2d(self._upload_from)
-        works, self._gather_works = self._gather_works, []
-        self._gather_cursor, self._gather_ready = 0, set()
-        for w in works:
-            w.wait()
-
-
-class ParamOffloadMixin(OffloadMixin):
-    """Stage 3: the 16-bit partitions off the device too (or only the optimizer, params='none')."""
-
-    def _group_kwargs(self) -> dict[str, object]:
-        kwargs = super()._group_kwargs()
-        if self.offload.offload_params == "cpu":
-            kwargs["shard16_factory"] = self.host.zeros
-        elif self.offload.offload_params == "nvme":
-            kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt)  # swapped out once built
-        else:  # a device-side gather source even in fp32 (the fp32 masters are on the host)
-            kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt, device=self.device)
-        return kwargs
-
-    def _upload_is_shard16(self, fg: Any) -> bool:
-        return self.offload.offload_params == "cpu" and self.compute_dtype != torch.float32 and not self.offload.delayed_param_update
-
-    def _setup_offload(self) -> None:
-        self._param_store: Optional[NvmeParamStore] = None
-        if self.offload.offload_params == "nvme":  # swapped out before the host buffers are allocated
-            assert self._swapper is not None
-            self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin)
-            self._param_store.swap_out()
-        super()._setup_offload()
-
-    def _gather_source(self, gi: int, bi: int) -> Tensor:
-        if self.offload.offload_params == "none" or gi >= len(self.groups):  # frozen partitions stay on the device
-            return super()._gather_source(gi, bi)  # type: ignore[misc]
-        fg = self.groups[gi]
-        b = fg.layout.buckets[bi]
-        store = getattr(self, "_param_store", None)
-        if store is not None:
-            host = store.host_chunk(gi, bi)
-        else:
-            assert fg.shard16 is not None
-            host = fg.shard16[b.shard_offset : b.shard_offset + b.chunk]
-        return stage_to_device(host, self.device)
-
-    def _prefetch(self, upcoming: Iterable[int]) -> None:
-        upcoming = list(upcoming)
-        store = getattr(self, "_param_store", None)
-        if store is not None and upcoming:  # read the files of these units and of as many after them
-            units = [u for u in upcoming + self._beyond(upcoming) if u not in self._gathered]  # type: ignore[attr-defined]
-            store.prefetch([key for idx in units for key in self.units[idx].buckets])  # type: ignore[attr-defined]
-        super()._prefetch(upcoming)  # type: ignore[misc]
-
-    def _beyond(self, upcoming: list[int]) -> list[int]:
-        """The units the prefetch after this one will ask for (recorded order; reversed in backward)."""
-        from lightning_zero.zero.stage3 import _in_backward
-
-        order: list[int] = self.order  # type: ignore[attr-defined]
-        k = len(upcoming)
-        if not _in_backward():
-            pos = self._cursor + k  # type: ignore[attr-defined]
-            return order[pos : pos + k]
-        firsts = [max(i for i, u in enumerate(order) if u == idx) for idx in upcoming if idx in order]
-        pos = min(firsts) if firsts else 0
-        return list(reversed(order[max(0, pos - k) : pos]))
-
-    def after_master_load(self) -> None:
-        self._push_loaded_share()
-        self._out_valid = False
-        self._upload_pending = True
-        super().after_master_load()  # type: ignore[misc]
-
-    def _refresh_shards(self) -> None:
-        if not self._out_valid:  # masters were loaded (checkpoint): the upload buffers are stale
-            for gi, fg in enumerate(self.groups):
-                out = self._upload_buffer(gi, self._upload_from)
-                if out is not None:
-                    out.copy_(fg.master)
-            self._out_valid = True
-        if not self._upload_pending:
-            return
-        self._upload_pending = False
-        for gi, fg in enumerate(self.groups):
-            src = self._upload_source(gi)
-            split, n = self._splits[gi], fg.layout.shard_numel
-            if self._share is not None and split < n:  # partial offload: the device share's part
-                dev = self._share.source(gi, split, n)
-                if self._param_store is None and fg.shard16 is not None and fg.shard16.device == dev.device:
-                    fg.shard16[:split].copy_(src[:split], non_blocking=True)  # (a no-op when src is shard16)
-                    fg.shard16[split:].copy_(dev)
-                    continue
-                src[split:].copy_(dev)  # host partitions are written from a host buffer
-            if self._param_store is not None:
-                self._param_store.write_group(gi, src)
-            elif src is not fg.shard16:
-                assert fg.shard16 is not None
-                fg.shard16.copy_(src, non_blocking=True)
-        self._record_h2d(self._upload_from)
-
-    @contextmanager
-    def host_state(self) -> Generator[None, None, None]:
-        with ExitStack() as stack:
-            stack.enter_context(super().host_state())
-            if self._param_store is not None:
-                stack.enter_context(self._param_store.host_state())
-            yield
-
-    @contextmanager
-    def gathered_params(self, module: Any = None, writeback: bool = False) -> Generator[None, None, None]:
-        with self.host_state(), super().gathered_params(module, writeback):  # type: ignore[misc]
-            yield
-
-    def unshard_to_plain(self) -> None:
-        with self.host_state():
-            super().unshard_to_plain()  # type: ignore[misc]
-
-
-def offload_engine(base: type[ZeroEngine]) -> type[ZeroEngine]:
-    """``base`` (a stage-1/2/3 engine class) with offload mixed in."""
-    if base.stage == 0:
-        raise ValueError("offload needs ZeRO stage >= 1")
-    mixin = ParamOffloadMixin if base.stage == 3 else FlatOffloadMixin
-    return type(f"Offload{base.__name__}", (mixin, base), {"__doc__": f"{base.__doc__}\n\nWith offload (lightning_zero/offload)."})

@@ -1,0 +1,82 @@
+"""Stages 1-2 with optimizer offload: the updated 16-bit chunks go back to the device and are all-gathered.
+
+What this adds to :class:`~lightning_zero.offload.engine.OffloadMixin` (the CPU step, gradients to the
+host) for the flat-buffer stages: the write-back. Each bucket's chunk is uploaded from the pinned
+upload buffer (or, partial offload, read from the device share) and all-gathered into every rank's
+16-bit parameters, bucket by bucket as the CPU step finishes each (see [Note: uploads follow the CPU
+step]).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.offload.engine import OffloadMixin
+from lightning_zero.offload.params import stage_to_device
+
+
+class FlatOffloadMixin(OffloadMixin):
+    """Stages 1-2: upload this rank's chunks and all-gather the full parameters, bucket by bucket as
+    the CPU step finishes each (see [Note: uploads follow the CPU step])."""
+
+    # [Note: uploads follow the CPU step]
+    # A bucket's host-to-device copy and all-gather start as soon as its range is stepped, while the
+    # CPU steps the next bucket (and, stepping during backward, as soon as the step thread is past
+    # it), instead of after the whole step. Collectives must go in the same order on every rank, and
+    # ranks may split their partitions differently (offload_ratio='auto' decides per rank), so
+    # buckets are launched strictly in bucket order: a ready bucket waits for every bucket before it,
+    # and the device share's buckets (stepped last, device_share.py) are launched by ``_write_back``.
+
+    def _setup_offload(self) -> None:
+        super()._setup_offload()
+        self._gather_ready: set[tuple[int, int]] = set()
+        self._gather_cursor = 0
+        self._gather_works: list[Any] = []
+
+    def _bucket_stepped(self, gi: int, bi: int) -> None:
+        self._gather_ready.add((gi, bi))
+        order = self._gather_order()
+        while self._gather_cursor < len(order) and order[self._gather_cursor] in self._gather_ready:
+            self._launch_gather(*order[self._gather_cursor])
+            self._gather_cursor += 1
+
+    def _gather_order(self) -> list[tuple[int, int]]:
+        return [(gi, bi) for gi, fg in enumerate(self.groups) for bi in range(len(fg.layout.buckets))]
+
+    def _launch_gather(self, gi: int, bi: int) -> None:
+        """Upload and all-gather bucket ``bi`` of group ``gi`` from the current upload source."""
+        fg = self.groups[gi]
+        b = fg.layout.buckets[bi]
+        lo, hi = b.shard_offset, b.shard_offset + b.chunk
+        on_device = self._share is not None and self._share.owns(gi, lo)
+        chunk = self._share.source(gi, lo, hi) if on_device else self._upload_source(gi)[lo:hi]  # type: ignore[union-attr]
+        dst = fg.bucket_view(fg.flat_param, bi)
+        if self.dp_size == 1:
+            dst.copy_(chunk, non_blocking=True)
+        else:
+            send = chunk.to(self.compute_dtype) if on_device else stage_to_device(chunk, self.device, self.compute_dtype)
+            self._gather_works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
+
+    def after_master_load(self) -> None:
+        self._push_loaded_share()
+        for gi, fg in enumerate(self.groups):  # the 16-bit upload buffers come from the loaded masters
+            out = self._upload_buffer(gi, self._upload_from)
+            if out is not None:
+                out.copy_(fg.master)
+        self._upload_pending = True
+        self._write_back()
+
+    def _write_back(self) -> None:
+        if not self._upload_pending:
+            return
+        self._upload_pending = False
+        order = self._gather_order()
+        while self._gather_cursor < len(order):  # what the step did not start (device share, NVMe, SGD...)
+            self._launch_gather(*order[self._gather_cursor])
+            self._gather_cursor += 1
+        self._record_h2d(self._upload_from)
+        works, self._gather_works = self._gather_works, []
+        self._gather_cursor, self._gather_ready = 0, set()
+        for w in works:
+            w.wait()
