@@ -59,6 +59,11 @@ inline uint32_t sr_bits(uint32_t key, int64_t idx) {
   return mix32(lo ^ (key ^ hi * kGolden));
 }
 
+// The same bits for a run of indices sharing their high word: hi_key = key ^ hi * kGolden once,
+// then only 32-bit work per element (loops split their chunks at multiples of 2^32).
+inline uint32_t hi_key(uint32_t key, int64_t idx) { return key ^ (uint32_t)((uint64_t)idx >> 32) * kGolden; }
+inline uint32_t sr_bits_lo(uint32_t hkey, uint32_t lo) { return mix32(lo ^ hkey); }
+
 inline uint32_t next_bits(uint32_t h) { return mix32(h ^ kStreamV); }
 
 inline float bf16_to_f32(uint16_t h) { return u2f((uint32_t)h << 16); }

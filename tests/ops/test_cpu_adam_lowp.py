@@ -154,6 +154,14 @@ def test_ranges_and_threads_equal_one_call(lowp_op: ModuleType, variant: str) ->
     _assert_same(whole + outs[:1], split + outs[2:], "ranges vs one call")
 
 
+@pytest.mark.parametrize("variant", ["bf16_sr", "bf16_kahan"])
+def test_global_indices_past_2_to_the_32(lowp_op: ModuleType, variant: str) -> None:
+    """A 13B model's flat index passes 2^32: a call whose range crosses it (the op splits its chunks
+    there and hoists the high word) still draws the reference's bits."""
+    _compare(lowp_op, variant, 5000, torch.bfloat16, torch.bfloat16, adamw=True, steps=2, offset=2**32 - 1234)
+    _compare(lowp_op, variant, 3000, torch.bfloat16, None, adamw=False, steps=2, offset=3 * 2**32 + 17)
+
+
 def test_seed_step_and_offset_change_the_bits(lowp_op: ModuleType) -> None:
     n = 4096
     gen = torch.Generator().manual_seed(6)
