@@ -9,7 +9,8 @@
 //          the moments stay stochastically rounded.
 //   int8:  fp32 master; exp_avg as sign+E4M3 codes and sqrt(exp_avg_sq) as E4M4 codes, one
 //          fp32 scale per block of `block` elements each (see lowp_codes.h).
-// Both compute in fp32 in the order of cpu_adam's scalar tier, read grads as grad_dtype divided
+// Both compute in fp32 in the order of cpu_adam's scalar tier (except sqrt(v) * (1 / sqrt(1 - beta2^t))
+// where cpu_adam divides by sqrt(1 - beta2^t): one division per element fewer), read grads as grad_dtype divided
 // by grad_scale, and write the updated master into out16 (bf16/fp16) in the same pass when
 // out16 is non-null. Each returns the SIMD tier used, or -1 on an invalid argument (nothing is
 // written then).

@@ -206,7 +206,7 @@ class _Coeffs:
         self.weight_decay = 0.0 if adamw_mode else f32(weight_decay)
         self.decay = f32(1.0 - lr * weight_decay) if adamw_mode else 1.0
         self.step_size = f32(lr / (1.0 - math.pow(beta1, step)))
-        self.bc2_sqrt = f32(math.sqrt(1.0 - math.pow(beta2, step)))
+        self.inv_bc2 = f32(1.0 / math.sqrt(1.0 - math.pow(beta2, step)))  # op: one division fewer per element
         self.inv_grad_scale = f32(1.0 / f32(grad_scale))  # the binding passes grad_scale as a float
         self.lr_wd = f32(lr * weight_decay) if adamw_mode else 0.0
 
@@ -227,8 +227,10 @@ def _moments(c: _Coeffs, p: Tensor, grad: Tensor, m0: Tensor, v0: Tensor) -> tup
 
 
 def _update(c: _Coeffs, m: Tensor, w: Tensor) -> Tensor:
-    """step_size * m / (sqrt(v) / bc2 + eps), divisions by full tensors (see [Note: bitwise reference])."""
-    den = w / torch.full_like(w, c.bc2_sqrt) + c.eps
+    """step_size * m / (sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps): torch's Adam up to one rounding of the
+    bias correction (multiplied by its reciprocal, as DeepSpeed's CPU Adam does, which spares the op a
+    division per element); the division by a full tensor (see [Note: bitwise reference])."""
+    den = w * c.inv_bc2 + c.eps
     return (m / den) * c.step_size
 
 

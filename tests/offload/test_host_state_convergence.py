@@ -15,7 +15,7 @@ AdamW's master) ends 3.0-3.3 % worse (three data seeds), because updates below h
 lost as the learning rate decays; that is what stochastic rounding and Kahan compensation are for.
 Measured (torch 2.13 CPU; data seed 0 as below, then seeds 1 and 2):
 fp32 2.6305 / 2.5888 / 2.5952; bf16_sr +0.01 / -0.02 / +0.04 %; bf16_kahan -0.01 / -0.00 / -0.02 %;
-int8 -0.62 / -0.67 / -0.74 %; control +3.07 / +3.03 / +3.33 %. The runs are deterministic (any
+int8 -0.64 / -0.67 / -0.74 %; control +3.07 / +3.03 / +3.33 %. The runs are deterministic (any
 thread count), so the margins are what a CI run sees.
 """
 
