@@ -67,6 +67,8 @@ ZERO = {
     "zero3_offload_auto": dict(stage=3, offload_optimizer="cpu", offload_ratio="auto"),
     "zero3_offload_half": dict(stage=3, offload_optimizer="cpu", offload_ratio=0.5),
     "zero2_offload_auto": dict(stage=2, offload_optimizer="cpu", offload_ratio="auto"),
+    "zero3_offload_bf16_sr": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", offload_state_precision="bf16_sr"),
+    "zero3_offload_int8": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", offload_state_precision="int8"),
 }
 SETUP = {
     "fsdp_cpu_offload": "Lightning FSDPStrategy(cpu_offload=True, auto_wrap_policy={Block}, FULL_SHARD), "

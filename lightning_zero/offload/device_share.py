@@ -201,13 +201,13 @@ class DeviceShare:
         for gi in range(len(self._groups)):
             trio = host(gi)
             self.pull(gi, *trio)
-            entry.append(_identity(trio))
+            entry.append(host_identity(trio))
         try:
             yield
         finally:
             for gi in range(len(self._groups)):
                 trio = host(gi)
-                if _changed(trio, entry[gi]):
+                if host_changed(trio, entry[gi]):
                     self.push(gi, *trio)
 
 
@@ -215,12 +215,12 @@ HostTrio = tuple[Tensor, Optional[Tensor], Optional[Tensor]]
 """A param group's full-size host master and Adam moments (None: not created yet)."""
 
 
-def _identity(trio: HostTrio) -> list[tuple[Any, int]]:
+def host_identity(trio: HostTrio) -> list[tuple[Any, int]]:
     """Which tensors (weakly: a load may free them) at which in-place version."""
     return [(None, -1) if t is None else (weakref.ref(t), t._version) for t in trio]
 
 
-def _changed(trio: HostTrio, entry: list[tuple[Any, int]]) -> bool:
+def host_changed(trio: HostTrio, entry: list[tuple[Any, int]]) -> bool:
     """Whether a host tensor was written in place or replaced since ``entry``."""
     for t, (ref, version) in zip(trio, entry):
         if (t is None) != (ref is None) or (t is not None and (ref() is not t or t._version != version)):

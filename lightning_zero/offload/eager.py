@@ -128,7 +128,8 @@ class StepInBackwardMixin:
         for gi, pg in enumerate(self.optimizer.param_groups):
             hyper = adam_hyper(self.optimizer, pg)  # this step's learning rate
             out = self._upload_buffer(gi, self._up)
-            assert hyper is not None and (out is None or out.dtype != torch.float32), "see _eager_possible"
+            assert hyper is not None and (out is None or out.dtype != torch.float32 or self._compact is not None), \
+                "see _eager_possible"
             ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
 
         def update(gi: int, lo: int, hi: int) -> None:

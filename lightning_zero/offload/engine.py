@@ -48,6 +48,7 @@ from lightning_zero.offload import estimator as est
 from lightning_zero.offload.cpu import (
     AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
 )
+from lightning_zero.offload.compact_state import CompactStateMixin
 from lightning_zero.offload.delayed import DelayedUpdateMixin
 from lightning_zero.offload.eager import EagerStep, StepInBackwardMixin
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
@@ -82,10 +83,10 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin):
+class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin, CompactStateMixin):
     """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class; the
-    step during backward (eager.py), the delayed update (delayed.py) and partial offload
-    (device_share.py) are its parts in files of their own."""
+    step during backward (eager.py), the delayed update (delayed.py), partial offload
+    (device_share.py) and compact host states (compact_state.py) are its parts in files of their own."""
 
     # attributes of ZeroEngine this mixin relies on (for readers and type checkers)
     groups: list
@@ -158,7 +159,8 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
-        if self.offload.offload_optimizer == "nvme":  # swapped out once built: resizable storage (swap_state.make_placeholder)
+        if self.offload.offload_optimizer == "nvme" or self.offload.offload_state_precision != "fp32":
+            # swapped out, or moved into a compact state, once built: resizable storage (swap_state.make_placeholder)
             return torch.zeros(numel, dtype=dtype)
         pinned = self.compute_dtype == torch.float32 and not self.offload.delayed_param_update
         return self.host.zeros(numel, dtype, pin=pinned and self._pin)
@@ -196,6 +198,12 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
         self._step_counts = [0] * len(self.groups)
         """The Adam step count of each group's last step (the device share steps with the host's count)."""
         self._grads = [HostGradShard(sp, self.compute_dtype, self.host.empty, spares=int(dpu)) for sp in self._splits]
+        compact = o.offload_state_precision != "fp32"
+        if compact and not self._hypers_ok:
+            raise ValueError(
+                f"offload_state_precision={o.offload_state_precision!r} needs torch.optim.Adam/AdamW or "
+                f"lightning_zero.optim.CPUAdam (without amsgrad/maximize); got {type(self.optimizer).__name__}."
+            )
         if dpu and not self._hypers_ok:
             raise ValueError(
                 "delayed_param_update needs torch.optim.Adam/AdamW or lightning_zero.optim.CPUAdam (without amsgrad/"
@@ -203,7 +211,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
             )
         self._op = load_adam_op() if self._hypers_ok else None
         self._uploads: list[list[Tensor]] = [[] for _ in self.groups]
-        need_upload = self.compute_dtype != torch.float32 or o.offload_optimizer == "nvme" or dpu
+        need_upload = self.compute_dtype != torch.float32 or o.offload_optimizer == "nvme" or dpu or compact
         for gi, fg in enumerate(self.groups):
             if need_upload and not self._upload_is_shard16(fg):
                 self._uploads[gi] = [self.host.empty(fg.layout.shard_numel, self.compute_dtype) for _ in range(1 + dpu)]
@@ -223,6 +231,8 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
         self.step_in_backward = False
         """Set by the strategy before each step: run this step's CPU update during backward (eager.py)."""
         self._eager_possible = o.offload_step_in_backward and o.offload_optimizer == "cpu" and not dpu and self._hypers_ok
+        self._setup_compact()  # compact_state.py: the masters move into compact states (after every other buffer)
+        self._eager_possible = self._eager_possible and not self._compact_aligned
         self._eager: Optional[EagerStep] = None
         self._eager_pool: Optional[ThreadPoolExecutor] = None
         self.eager_steps = 0
@@ -375,13 +385,18 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
                 store.adam_step(gi, grad, out, update, limit=self._splits[gi])
                 continue
             update_range = self._begin_host_adam(gi, grad, out, hyper, scale, threads)
+            if self._compact_aligned:  # int8 blocks: aligned chunks, uploads after the step
+                n = self._splits[gi]
+                for lo in range(0, n, STEP_CHUNK):  # STEP_CHUNK is a multiple of the block size
+                    update_range(lo, min(n, lo + STEP_CHUNK))
+                continue
             for bi, b in enumerate(fg.layout.buckets):
                 if b.shard_offset >= self._splits[gi]:
                     break  # the device share (device_share.py)
                 end = b.shard_offset + b.chunk
                 for lo in range(b.shard_offset, end, STEP_CHUNK):  # see STEP_CHUNK
                     update_range(lo, min(end, lo + STEP_CHUNK))
-                if out is not None and out.dtype == torch.float32:
+                if out is not None and out.dtype == torch.float32 and self._compact is None:
                     out[b.shard_offset : end].copy_(fg.master[b.shard_offset : end])
                 if pipelined:
                     self._bucket_stepped(gi, bi)
@@ -397,6 +412,10 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
         updates a range ``[lo, hi)`` of it (writing a 16-bit ``out`` in the same pass). The step after
         backward calls it chunk by chunk; the step during backward (eager.py) bucket by bucket."""
         master = self.groups[gi].master
+        if self._compact is not None:
+            step = self._compact_step_count(master)
+            self._step_counts[gi] = step
+            return self._compact_range(gi, grad, out, hyper, scale, threads, step)
         st = self._host_adam_state(master)
         st["step"] += 1
         step = int(st["step"].item())
@@ -451,6 +470,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin)
         with ExitStack() as stack:
             if self._opt_store is not None:
                 stack.enter_context(self._opt_store.host_state())
+            stack.enter_context(self._compact_host_state())  # compact_state.py: torch's fp32 layout inside
             if self._share is not None:  # entered last: pulls into, and pushes from, resident host tensors
                 stack.enter_context(self._share.mirrored(self._host_trio))
             yield

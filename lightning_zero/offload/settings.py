@@ -72,5 +72,9 @@ class OffloadSettings:
         return self.config.offload_ratio
 
     @property
+    def offload_state_precision(self) -> str:
+        return self.config.offload_state_precision
+
+    @property
     def uses_nvme(self) -> bool:
         return "nvme" in (self.offload_optimizer, self.offload_params)

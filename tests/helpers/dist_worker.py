@@ -5,7 +5,7 @@ counts. Usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT NAME
 where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
 bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
 every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
-hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full); offload: oopt, oparams, nvme=1, chunk_mb, dpu, ratio (see ``offload_kwargs``).
+hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full); offload: oopt, oparams, nvme=1, chunk_mb, dpu, ratio, hsp (offload_state_precision) (see ``offload_kwargs``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ class MemoryProbe(pl.Callback):
 
 def offload_kwargs(opts: dict[str, str]) -> dict[str, object]:
     """Spec keys oopt/oparams (none|cpu|nvme), nvme (set by ``run`` to a fresh directory), chunk_mb,
-    frac (nvme_fraction), dpu (delayed parameter update after that many warm-up steps), ratio (offload_ratio)."""
+    frac (nvme_fraction), dpu (delayed parameter update after that many warm-up steps), ratio (offload_ratio),
+    hsp (offload_state_precision)."""
     out: dict[str, object] = {}
     for key, name in (("oopt", "offload_optimizer"), ("oparams", "offload_params")):
         if key in opts:
@@ -110,6 +111,8 @@ def offload_kwargs(opts: dict[str, str]) -> dict[str, object]:
         out["nvme_fraction"] = float(opts["frac"])
     if "dpu" in opts:
         out["delayed_param_update"], out["delayed_param_update_warmup"] = True, int(opts["dpu"])
+    if "hsp" in opts:
+        out["offload_state_precision"] = opts["hsp"]
     if "ratio" in opts:
         out["offload_ratio"] = opts["ratio"] if opts["ratio"] == "auto" else float(opts["ratio"])
     return out

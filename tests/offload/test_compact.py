@@ -1,0 +1,65 @@
+"""Compact host optimizer states in the offload engine (``offload_state_precision``), one rank:
+what lives in host memory, which step path runs, and what is refused (2-rank runs: test_parity.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.config import ZeroConfig
+from lightning_zero.optim.host_states import INT8_BLOCK, bytes_per_param
+from tests.helpers.memory import storage_bytes
+from tests.helpers.parity_model import ParityNet
+from tests.offload.helpers import fit, rel
+
+
+@pytest.mark.parametrize("precision", ["bf16_sr", "bf16_kahan", "int8"])
+@pytest.mark.parametrize("stage,extra", [(2, {}), (3, {"offload_params": "cpu"})])
+def test_compact_states_replace_the_fp32_masters(precision: str, stage: int, extra: dict) -> None:
+    _, ref = fit(steps=6, stage=stage, offload_optimizer="cpu", precision="bf16-mixed", **extra)
+    t, model = fit(steps=6, stage=stage, offload_optimizer="cpu", precision="bf16-mixed",
+                   offload_state_precision=precision, **extra)
+    e = t.strategy.engines[0]
+    assert all(fg.master.untyped_storage().nbytes() == 0 for fg in e.groups)  # freed between steps
+    for fg, state in zip(e.groups, e._compact):
+        n = fg.layout.shard_numel
+        partial_block = 8 if precision == "int8" and n % INT8_BLOCK else 0
+        want = bytes_per_param(precision) * n + partial_block
+        got = storage_bytes(state.tensors())  # host pool buffers are whole pages each
+        assert want <= got <= want + 4096 * len(state.tensors()), (got, want)
+    st = t.optimizers[0].state[e.groups[0].master]
+    assert set(st) == {"step"} and int(st["step"]) == 6  # no fp32 moments outside host_state()
+    assert 0 < rel(model.losses, ref.losses) < 1e-2
+
+
+def test_host_state_shows_the_fp32_layout_and_takes_edits_back() -> None:
+    t, _ = fit(steps=3, stage=2, offload_optimizer="cpu", offload_state_precision="bf16_sr")
+    e = t.strategy.engines[0]
+    fg, state = e.groups[0], e._compact[0]
+    with e.host_state():
+        st = t.optimizers[0].state[fg.master]
+        assert fg.master.dtype == torch.float32 and torch.equal(fg.master, state.master.float())
+        assert st["exp_avg"].dtype == torch.float32 and torch.equal(st["exp_avg"], state.exp_avg.float())
+        fg.master.fill_(0.5)  # a load writes here
+    assert torch.equal(state.master, torch.full_like(state.master, 0.5))
+    with e.host_state():  # read only: nothing is re-imported (the moments keep their bf16 bits)
+        pass
+    assert "exp_avg" not in t.optimizers[0].state[fg.master]
+
+
+def test_step_during_backward_with_bf16_states_but_not_int8() -> None:
+    t, _ = fit(steps=3, stage=2, clip=None, offload_optimizer="cpu", offload_state_precision="bf16_sr")
+    assert t.strategy.engines[0].eager_steps == 3
+    t, _ = fit(steps=3, stage=2, clip=None, offload_optimizer="cpu", offload_state_precision="int8")
+    assert t.strategy.engines[0].eager_steps == 0  # int8 steps in 256-aligned chunks after backward
+
+
+def test_compact_states_refuse_what_they_cannot_run() -> None:
+    with pytest.raises(ValueError, match="offload_state_precision must be one of"):
+        ZeroConfig(stage=2, offload_optimizer="cpu", offload_state_precision="fp8")
+    with pytest.raises(ValueError, match="needs offload_optimizer='cpu' and offload_ratio=1"):
+        ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path="/tmp", offload_state_precision="int8")
+    with pytest.raises(ValueError, match="needs offload_optimizer='cpu' and offload_ratio=1"):
+        ZeroConfig(stage=2, offload_optimizer="cpu", offload_ratio=0.5, offload_state_precision="bf16_sr")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam/AdamW"):
+        fit(steps=1, stage=2, offload_optimizer="cpu", offload_state_precision="int8", model=ParityNet(optimizer="sgd"))
