@@ -56,6 +56,7 @@ from lightning_zero.offload.device_share import DeviceShare, PartialOffloadMixin
 from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
+from lightning_zero.optim import host_states
 from lightning_zero.zero.engine import _Pending
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
             total, gpus_per_node=dp_size, compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             bucket_numel=bucket_numel, delayed_update=self.offload.delayed_param_update,
             accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(), nvme_fraction=self.offload.nvme_fraction,
+            state_bytes=host_states.bytes_per_param(self.offload.offload_state_precision),  # type: ignore[arg-type]
         )
 
     def _chunk_numel(self) -> int:
@@ -195,15 +197,16 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
             self._opt_store = NvmeOptimizerStore(self._swapper, [fg.master for fg in self.groups], self.optimizer,
                                                  self._chunk_numel(), self.offload.nvme_fraction)
             self._opt_store.swap_out_masters()
-        self._step_counts = [0] * len(self.groups)
-        """The Adam step count of each group's last step (the device share steps with the host's count)."""
-        self._grads = [HostGradShard(sp, self.compute_dtype, self.host.empty, spares=int(dpu)) for sp in self._splits]
         compact = o.offload_state_precision != "fp32"
         if compact and not self._hypers_ok:
             raise ValueError(
                 f"offload_state_precision={o.offload_state_precision!r} needs torch.optim.Adam/AdamW or "
                 f"lightning_zero.optim.CPUAdam (without amsgrad/maximize); got {type(self.optimizer).__name__}."
             )
+        self._setup_compact()  # compact_state.py: the masters move into compact states before other host buffers
+        self._step_counts = [0] * len(self.groups)
+        """The Adam step count of each group's last step (the device share steps with the host's count)."""
+        self._grads = [HostGradShard(sp, self.compute_dtype, self.host.empty, spares=int(dpu)) for sp in self._splits]
         if dpu and not self._hypers_ok:
             raise ValueError(
                 "delayed_param_update needs torch.optim.Adam/AdamW or lightning_zero.optim.CPUAdam (without amsgrad/"
@@ -230,9 +233,8 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
         self._dpu_up = 0
         self.step_in_backward = False
         """Set by the strategy before each step: run this step's CPU update during backward (eager.py)."""
-        self._eager_possible = o.offload_step_in_backward and o.offload_optimizer == "cpu" and not dpu and self._hypers_ok
-        self._setup_compact()  # compact_state.py: the masters move into compact states (after every other buffer)
-        self._eager_possible = self._eager_possible and not self._compact_aligned
+        self._eager_possible = (o.offload_step_in_backward and o.offload_optimizer == "cpu" and not dpu and self._hypers_ok
+                                and not self._compact_aligned)
         self._eager: Optional[EagerStep] = None
         self._eager_pool: Optional[ThreadPoolExecutor] = None
         self.eager_steps = 0

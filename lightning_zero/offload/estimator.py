@@ -86,6 +86,10 @@ class Workload:
     nvme_chunk_numel: int = 64 * 2**20
     nvme_fraction: float = 1.0
     """Share of the masters and optimizer states on NVMe ('nvme' optimizer offload); the rest in host memory."""
+    state_bytes: float = 12.0
+    """Host bytes per parameter of the CPU optimizer's master and moments: 12 in fp32, fewer with a compact
+    ``offload_state_precision`` (lightning_zero/optim/host_states.py ``bytes_per_param``), which is built
+    from a temporary fp32 master (4 more bytes per parameter while the engine is constructed)."""
 
     @property
     def ranks(self) -> int:
@@ -140,9 +144,12 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
     total = grads
     in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
     if s.offload_optimizer == "cpu":
-        total += 12 * S
-        if (c != 4 or w.delayed_update) and not in_place:
+        total += w.state_bytes * S
+        compact = w.state_bytes != 12.0
+        if (c != 4 or w.delayed_update or compact) and not in_place:
             total += uploads * c * S
+        if compact:  # the fp32 master the compact state is filled from, before the other buffers exist
+            total = max(total, (4 + w.state_bytes) * S + (c * S if s.offload_params == "cpu" else 0))
     else:  # nvme: ring of three chunk sets (master + 2 moments), an upload buffer, chunks kept in memory
         total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + 12 * S * (1.0 - w.nvme_fraction)
         if not in_place:
