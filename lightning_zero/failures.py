@@ -66,6 +66,12 @@ class FailureBoard:
         first = got.decode() if isinstance(got, bytes) else str(got)
         return first == mine, first
 
+    def release(self) -> None:
+        """Drop the store client now, in an ordinary call, rather than whenever the board is collected:
+        a c10d store client destroyed while the interpreter finalises can abort the process ("terminate
+        called without an active exception", seen at the exit of multi-fit gloo workers)."""
+        self.store = None
+
     def first_failure(self) -> Optional[str]:
         """The first failure, if any rank reported one (never blocks)."""
         if self.store is None:
@@ -135,6 +141,12 @@ class PeerWatchdog(threading.Thread):
         _RUNNING.discard(self)
 
     def run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            self.board.release()  # the thread ends (stopped at teardown, or exiting): its client goes with it
+
+    def _watch(self) -> None:
         seen = self.board.first_failure()  # an earlier fit's failure in this job is not news
         while not self._halt.wait(self.poll_s):
             first = self.board.first_failure()
