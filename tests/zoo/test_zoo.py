@@ -30,12 +30,12 @@ from tests.zoo.models import STEPS
 STAGES: dict[str, list[str]] = {
     "nanogpt": ["zero1", "zero2", "zero3"],
     "gpt2": ["zero1", "zero2", "zero3"],
-    "llama_lora": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "llama_lora": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
     "t5": ["zero1", "zero2", "zero3"],
     "bert": ["zero1", "zero2", "zero3"],
     "vit": ["zero1", "zero2", "zero3"],
     "resnet": ["zero1", "zero2", "zero3"],
-    "gan": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "gan": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
 }
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
 NON_GAN_CASES = [c for c in CASES if c[0] != "gan"]
