@@ -46,10 +46,8 @@ HEADROOM = 0.10
 
 def split_at_ratio(layout: FlatLayout, ratio: float, round_host_up: bool = False) -> int:
     """The shard offset where the device share starts: the bucket boundary whose host share is
-    nearest to ``ratio`` of the partition (never above it with ``round_host_up=False``... see below).
-
-    ``round_host_up=True`` (``auto``) rounds the host share up to the next boundary, so the device
-    share never exceeds what was measured to fit."""
+    nearest to ``ratio`` of the partition. ``round_host_up=True`` (``auto``) takes the next boundary
+    up instead, so the device share never exceeds what was measured to fit."""
     n = layout.shard_numel
     if ratio >= 1.0 or n == 0:
         return n
