@@ -563,6 +563,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             self._watchdog.stop()
             self._watchdog.join(timeout=5.0)
             self._watchdog = None
+        C.destroy_groups_at_exit(not self._failed)  # comm/collectives.py [Note: destroy at exit]
         if self._failed:  # after an exception: no collective (a peer may be gone), threads joined, swap removed
             for engine in self._engines.values():
                 engine.abandon()

@@ -9,6 +9,7 @@ engine code runs in a single process without special cases.
 
 from __future__ import annotations
 
+import atexit
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -68,6 +69,29 @@ def init_process_group(backend: str, world: int, global_rank: int, timeout_s: fl
     if is_initialized():
         return
     dist.init_process_group(backend, world_size=world, rank=global_rank, timeout=timedelta(seconds=timeout_s))
+
+
+# [Note: destroy at exit]
+# A job that ends without ``destroy_process_group()`` (Lightning destroys only NCCL groups at exit)
+# leaves its gloo groups to interpreter finalisation: a gloo worker thread still holding a work
+# object whose tensors reference Python objects then takes the GIL in a dying interpreter, and the
+# process aborts ("terminate called without an active exception") after training finished, while
+# or after rank 0 writes its results. Seen intermittently at the exit of multi-fit gloo workers;
+# the same diagnosis is in pytorch/pytorch PR 179291. After a fit that ended cleanly the strategy
+# asks for every group to be destroyed at exit, while the interpreter is whole. Not after a
+# failure: a peer may be gone, and destroying a group with a collective in flight could wait for
+# its timeout instead of letting the process end.
+def destroy_groups_at_exit(enabled: bool) -> None:
+    """Destroy every process group at interpreter exit (``enabled``), or no longer (see
+    [Note: destroy at exit]). Idempotent: the handler is registered at most once."""
+    atexit.unregister(_destroy_all_groups)
+    if enabled:
+        atexit.register(_destroy_all_groups)
+
+
+def _destroy_all_groups() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
 
 
 def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:

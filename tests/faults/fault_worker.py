@@ -123,9 +123,21 @@ OUT = ""
 
 def mark_fault(what: str) -> None:
     """``OUT/fault_time``: when the (first) fault fired; the tests give every process 60 s from then."""
+    if not OUT:
+        return
     path = Path(OUT, "fault_time")
-    if OUT and not path.exists():
-        path.write_text(json.dumps({"time": time.time(), "what": what, "rank": RANK}))
+    if path.exists():
+        return
+    # every rank may fire at once (bad_lr): write a private file, then link it into place, which fails
+    # when another rank was first; the reader never sees two writes interleaved or a half-written file
+    mine = Path(OUT, f"fault_time.rank{RANK}")
+    mine.write_text(json.dumps({"time": time.time(), "what": what, "rank": RANK}))
+    try:
+        os.link(mine, path)
+    except FileExistsError:
+        pass
+    finally:
+        mine.unlink()
 
 
 class _NvmeIoFault:
