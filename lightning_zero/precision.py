@@ -70,9 +70,13 @@ class ZeroPrecision(Precision):
     def is_mixed(self) -> bool:
         return self.compute_dtype != torch.float32
 
+    def cast_module(self, module: Module) -> Module:
+        """The module in the compute dtype (the strategy calls it once the engines hold fp32 masters)."""
+        return module.to(self.compute_dtype) if self.is_mixed else module
+
     @override
     def convert_module(self, module: Module) -> Module:
-        return module.to(self.compute_dtype) if self.is_mixed else module
+        return self.cast_module(module)
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -2,7 +2,9 @@
 
 Lightning has no entry point for third-party strategies, so names exist once this module has
 registered them (idempotently) in ``lightning.pytorch``'s registry and, when the separate
-``pytorch_lightning`` package is installed, in its registry too.
+``pytorch_lightning`` package is installed, in its registry too; and in Lightning Fabric's registry,
+with the same presets, for :class:`~lightning_zero.fabric.ZeroFabricStrategy` (``pipeline`` there
+refuses at construction with a message: its schedule needs the Trainer's ``training_step``).
 """
 
 from __future__ import annotations
@@ -45,11 +47,21 @@ def register_all(registry: Any) -> None:
         registry.register(name, ZeroStrategy, description=DESCRIPTIONS.get(name, name), override=True, **kwargs)
 
 
+def register_all_fabric(registry: Any) -> None:
+    """Register every preset into one of Fabric's strategy registries (safe to call twice)."""
+    from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+    for name, kwargs in PRESETS.items():
+        registry.register(name, ZeroFabricStrategy, description=DESCRIPTIONS.get(name, name), override=True, **kwargs)
+
+
 def register_everywhere() -> None:
-    """Register into lightning.pytorch's registry and pytorch_lightning's when installed."""
+    """Register into lightning.pytorch's registry (pytorch_lightning's when installed) and Fabric's."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     register_all(StrategyRegistry)
+    register_all_fabric(STRATEGY_REGISTRY)
     try:
         from pytorch_lightning.strategies import StrategyRegistry as PLRegistry
     except Exception:  # pytorch_lightning not installed: nothing to do

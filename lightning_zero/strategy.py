@@ -1,63 +1,46 @@
-"""ZeroStrategy: Lightning lifecycle glue around the ZeRO engines. No ZeRO math lives here.
+"""ZeroStrategy: the Trainer's front door to the ZeRO engines. No ZeRO math lives here.
 
 Reading order of one fit: ``setup_environment`` (process groups, via :class:`ParallelDims`) ->
 ``setup`` (model to device, replicas made identical, ``configure_optimizers``, one engine per
 optimizer, the rest of the module cast to the compute dtype) -> per batch: ``backward`` (engine hooks
 reduce buckets) -> ``post_backward`` (engines finish reducing) -> ``optimizer_step`` (closure,
 Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
-``checkpoint/strategy_io.py`` -> ``teardown``.
+``checkpoint/strategy_io.py`` -> ``teardown``. What the Fabric front door shares with this one is in
+core.py ([Note: one engine, two front doors]); this file keeps the Trainer's order of calls.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_zero.activations.policy import apply_activation_offload
-from lightning_zero.checkpoint.strategy_io import CheckpointMixin
-from lightning_zero.comm import collectives as C
-from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
-from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
-from lightning_zero.offload.engines import offload_engine
-from lightning_zero.offload.settings import OffloadSettings
-from lightning_zero.parallel_dims import ParallelDims
+from lightning_zero.core import ENGINES, ZeroCore
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
-from lightning_zero.zero.buffers import BufferSync
-from lightning_zero.zero.compile import CompilePlan, compile_for_strategy
-from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
-from lightning_zero.zero.engine import ZeroEngine
-from lightning_zero.zero.stage1 import Stage1Engine
-from lightning_zero.zero.stage2 import Stage2Engine
-from lightning_zero.zero.stage3 import Stage3Engine, guard_released_modules
-from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules, params_on_meta
+from lightning_zero.zero.materialize import params_on_meta
+from lightning_zero.zero.stage3 import Stage3Engine
 
 log = logging.getLogger(__name__)
 
-ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
+__all__ = ["ENGINES", "ZeroStrategy"]
 
 
-class ZeroStrategy(CheckpointMixin, ParallelStrategy):
+class ZeroStrategy(ZeroCore, ParallelStrategy):
     """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
 
     Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error
@@ -78,10 +61,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         loss_scale: Optional[Union[LossScaleConfig, dict]] = None,
         **options: Any,
     ) -> None:
-        self.config = ZeroConfig.from_kwargs(stage=stage, **options)
-        if self.config.stage == 3 and 3 not in ENGINES:
-            raise NotImplementedError("ZeRO stage 3 is not available in this version of lightning_zero.")
-        self._loss_scale = loss_scale
+        self._init_core(stage, loss_scale, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -90,20 +70,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-        self.dims: Optional[ParallelDims] = None
-        self._engines: dict[int, ZeroEngine] = {}
-        self._orig_dtypes: dict[str, torch.dtype] = {}
-        self._guards: list = []
-        self._pipeline: Optional[PipelineIntegration] = None
-        self._buffer_sync: Optional[BufferSync] = None
-        self._watched: set[str] = set()
-        """Step kinds whose first batch ran under stage 3's ReadWatch (read_watch.py)."""
-        self._watch: Optional[ReadWatch] = None
-        self._watchdog: Optional[PeerWatchdog] = None
-        self._failed = False
-        """Set by on_exception: teardown then releases everything without a collective."""
-        self.compile_plan: Optional[CompilePlan] = None
-        """What zero/compile.py compiled or made eager at the last setup (None: nothing to do)."""
+
+    @property
+    def _zero_module(self) -> Optional[torch.nn.Module]:
+        return self.lightning_module
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -165,22 +135,8 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        assert self.cluster_environment is not None
-        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        self.dims = ParallelDims(self.world_size, self.global_rank, pp=self.config.pipeline_stages)
-        backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        if self.world_size > 1 or C.is_initialized():
-            from datetime import timedelta
-
-            _init_dist_connection(self.cluster_environment, backend, timeout=timedelta(seconds=self.config.timeout_s))
-        self.dims.build_groups(self.config.timeout_s)
-        self._setup_checkpointer()
-        self._failed = False
-        if self._watchdog is None:  # failures.py [Note: failing once]
-            self._watchdog = start_watchdog([self._remove_swap_dirs])
+        self._setup_zero_environment()
+        assert self.dims is not None
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
         if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
             self._pipeline.place(self.lightning_module)
@@ -191,41 +147,22 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         if self._pipeline is not None:  # this stage's layers only, tied copies made equal
             self._pipeline.prepare(self.model)
-        self.model_to_device()
-        self._broadcast_module_states()
-        self._orig_dtypes = {k: v.dtype for k, v in self.model.state_dict().items() if torch.is_tensor(v)}
-        for guard in self._guards:
-            guard.remove()
-        self._guards = []
+        self._prepare_module(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            for old in self._engines.values():  # a second fit: parameters get full storage back first
-                if isinstance(old, Stage3Engine):
-                    old.unshard_to_plain()
+            self._unshard_previous_engines()  # a second fit
             self.setup_optimizers(trainer)
-            self._build_engines()
+            self._build_engines(self.lightning_module, self.optimizers, trainer.accumulate_grad_batches > 1)
+            if self._pipeline is None:  # pipeline stages run backward inside training_step, before Lightning's
+                # zero_grad (which comes between training_step and backward): it must not discard their gradients
+                self._route_zero_grad([*self.optimizers, *self._lightning_optimizers])
             self._reserve_async_staging()
         else:
             for engine in self._engines.values():  # validate/test/predict after fit: gather per unit again
                 if isinstance(engine, Stage3Engine):
                     engine.install_module_hooks()
-        if has_meta_params(self.model):  # not fitting, or parameters outside every optimizer
-            materialize_modules(list(self.model.modules()), self.root_device)
-        self.precision_plugin.convert_module(self.model)
-        self.compile_plan = compile_for_strategy(  # the one call site of torch.compile (zero/compile.py)
-            self.lightning_module, [u for e in self._stage3_engines()[:1] for u in e.units[1:]], self.config)
-        if self.config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
-            units = [u.module for e in self._stage3_engines() for u in e.units[1:] if u.module is not None]
-            apply_activation_offload(self.model, self.config.activation_offload_policy, units)
-        for engine in self._engines.values():
-            for fg in engine.groups:
-                for p in fg.params:
-                    if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
-                        raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
+        self._finish_setup(self.model)
         if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
             self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
-        group = self.dims.dp_group if self.dims is not None else None
-        self._buffer_sync = BufferSync(self.model, group)
-        self._watched = set()
 
     @contextmanager
     @override
@@ -237,61 +174,13 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         with params_on_meta():
             yield
 
-    @contextmanager
-    def gathered_params(
-        self, module: Optional[torch.nn.Module] = None, writeback: bool = False
-    ) -> Generator[None, None, None]:
-        """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
-
-        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it.
-        """
-        with ExitStack() as stack:
-            for engine in self._stage3_engines():
-                stack.enter_context(engine.gathered_params(module, writeback))
-            yield
-
-    def _stage3_engines(self) -> list[Stage3Engine]:
-        return [e for e in self._engines.values() if isinstance(e, Stage3Engine)]
-
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """A new batch: the first of each kind (train, val, test, predict) runs under ReadWatch, from
         here to the next batch (read_watch.py)."""
-        self._end_watch()
-        engines = self._stage3_engines()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        kind = _loop_kind(trainer)
-        if engines and kind is not None and kind not in self._watched:
-            self._watched.add(kind)
-            self._watch = ReadWatch(engines)
-            self._watch.__enter__()
+        self._watch_first(_loop_kind(trainer))
         return super().batch_to_device(batch, device, dataloader_idx)
-
-    def _end_watch(self) -> None:
-        if self._watch is not None:
-            watch, self._watch = self._watch, None
-            watch.__exit__(None, None, None)
-
-    @contextmanager
-    def _begin_step(self, kind: str) -> Generator[None, None, None]:
-        """Buffers from rank 0 (buffers.py), stage-3 root and resident units gathered; a first batch's
-        ReadWatch gathers what the step reads outside units (read_watch.py)."""
-        if self._buffer_sync is not None and kind in ("train", "val"):
-            self._buffer_sync.sync()
-        for engine in self._stage3_engines():
-            engine.begin_step()
-        watch = self._watch
-        if watch is not None:
-            watch.gathering = True
-        try:
-            yield
-        finally:
-            if watch is not None:
-                watch.gathering = False
-
-    def _end_eval_step(self) -> None:
-        for engine in self._stage3_engines():
-            engine.end_eval_step()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -324,115 +213,24 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A failure on this rank: reported in full once across ranks (failures.py [Note: failing
-        once]); teardown will release engines without collectives; an async checkpoint save still
-        writing gets a bounded wait. Torch's error on a released ZeRO-3 parameter becomes one that
-        says where and what to do."""
-        self._end_watch()
-        self._failed = True
-        hold_sigterm()  # the cleanup below and in teardown runs to its end
-        if self._watchdog is not None:
-            self._watchdog.own_failure = True
-        if self._checkpointer is not None:
-            self._checkpointer.wait_or_abandon(timeout_s=60.0)
-        if not isinstance(exception, KeyboardInterrupt):
-            print_once(FailureBoard.for_default_group(), exception)  # the main thread's own store client
-        released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
-        message = explain_released_read(exception, released) if released else None
-        if message is not None:
-            exception.args = (message,)
-
-    def _param_name(self, param: torch.nn.Parameter) -> str:
-        for engine in self._engines.values():
-            name = engine.param_names.get(id(param))
-            if name is not None:
-                return name
-        return "a parameter"
-
-    def _build_engines(self) -> None:
-        assert self.dims is not None and self.lightning_module is not None
-        engine_cls = ENGINES[self.config.stage]
-        stage_options: dict[str, Any] = {}
-        names = {id(p): n for n, p in self.lightning_module.named_parameters(remove_duplicate=False)}
-        _check_optimizers_own_their_params(self.optimizers, names)
-        if self.config.stage == 3:
-            lm = self.lightning_module
-            stage_options = {
-                "module": lm,
-                "param_group": self.dims.dp_param_group,
-                "unit_policy": self.config.unit_policy,
-                "prefetch_units": self.config.prefetch_units,
-                "max_live_parameters": self.config.max_live_parameters,
-                "param_persistence_threshold": self.config.param_persistence_threshold,
-                "materialize": make_unit_materializer(lm, self.root_device, getattr(lm, "zero_init_module", None)),
-            }
-        if self.config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
-            engine_cls = offload_engine(self.config.stage)
-            trainer = self.lightning_module.trainer if self.lightning_module._trainer is not None else None
-            accumulate = trainer is not None and trainer.accumulate_grad_batches > 1
-            stage_options["offload"] = OffloadSettings(self.config, self.num_processes, self.global_rank, accumulate)
-        dtype = self.precision_plugin.compute_dtype
-        bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
-        norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []
-        self._engines = {}
-        frozen = _frozen_params(self.lightning_module, self.optimizers) if self.config.stage == 3 else []
-        for i, opt in enumerate(self.optimizers):
-            compressed_comm.attach_backend(opt, self.config.stage, self.dims.dp_group)  # 1-bit optimizers only
-            engine = engine_cls(
-                opt,
-                self.dims.dp_group,
-                dtype,
-                self.root_device,
-                bucket_numel,
-                norm_groups=norm_groups,
-                param_names=names,
-                **stage_options,
-                **({"frozen_params": frozen} if i == 0 and frozen else {}),
-            )
-            self._engines[id(opt)] = engine
-        if self._pipeline is None:  # pipeline stages run backward inside training_step, before Lightning's
-            # zero_grad (which comes between training_step and backward): it must not discard their gradients
-            for opt in [*self.optimizers, *self._lightning_optimizers]:
-                engine = self._engines.get(id(getattr(opt, "_optimizer", opt)))
-                if engine is not None:  # engine.py [Note: the optimizer keeps the model's parameters]
-                    opt.zero_grad = engine.zero_grad  # type: ignore[method-assign]
-
-    def _broadcast_module_states(self) -> None:
-        """Make every replica start from rank 0's weights and buffers (as DDP does at wrap time)."""
-        assert self.model is not None
-        if C.world_size() == 1:
-            return
-        group = self.dims.dp_group if self.dims is not None else None
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                # meta parameters are materialised identically on every rank; released ZeRO-3 ones are
-                # consistent already (their shards are)
-                if not t.is_meta and t.untyped_storage().nbytes() > 0:
-                    C.broadcast(t.data, 0, group)
+        self._note_failure(exception)  # core.py: reported once, no collectives from here on
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        device = self.root_device
-        self.model._apply(lambda t: t if t.is_meta else t.to(device))  # meta: materialised later, unit by unit
+        self._place(self.model)  # meta: materialised later, unit by unit
 
     # ------------------------------------------------------------------ training step plumbing
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's gradient accumulation: stages 0/1 keep accumulating locally; stage 2 reduces anyway."""
-        for engine in self._engines.values():
-            engine.require_sync = False
-        try:
+        with self._sync_blocked():
             yield None
-        finally:
-            for engine in self._engines.values():
-                engine.require_sync = True
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        for engine in self._engines.values():
-            engine.post_backward()
+        self._post_backward()
 
     @override
     def optimizer_step(
@@ -442,12 +240,12 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        engine = self._engines.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        engine = self._engine_of(optimizer)
         if engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
-        engine.reduce_gradients = compressed_comm.gradient_allreduce_needed(engine.optimizer)
+        self._before_backward(engine)
         if hasattr(engine, "step_in_backward"):
             engine.step_in_backward = self._step_can_run_in_backward(model)
         result = closure()
@@ -457,11 +255,7 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
             return None
-        stepped = engine.step(clip, precision.scaler)
-        if not stepped:
-            rank_zero_only(log.warning)(
-                f"fp16 gradient overflow: step skipped on every rank, loss scale now {precision.loss_scale:g}"
-            )
+        self._step_engine(engine, clip)
         return result
 
     def _step_can_run_in_backward(self, model: "pl.LightningModule") -> bool:
@@ -478,25 +272,6 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         )
 
     @property
-    def grad_norm(self) -> Optional[float]:
-        """Global gradient norm (unscaled, before clipping) of the last step, for logging."""
-        norms = [e.grad_norm for e in self._engines.values() if e.grad_norm is not None]
-        return float(sum(n * n for n in norms) ** 0.5) if norms else None
-
-    @property
-    def loss_scale(self) -> Optional[float]:
-        return self.precision_plugin.loss_scale
-
-    @property
-    def skipped_steps(self) -> int:
-        scaler = self.precision_plugin.scaler
-        return scaler.overflows if scaler is not None else 0
-
-    @property
-    def engines(self) -> list[ZeroEngine]:
-        return list(self._engines.values())
-
-    @property
     def pipeline_bubble(self) -> Optional[dict[str, Optional[float]]]:
         """Pipeline runs: theoretical and measured idle fraction per stage (pipeline/timing.py), for logging."""
         return self._pipeline.bubble if self._pipeline is not None else None
@@ -509,37 +284,10 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return dataloader
 
     # ------------------------------------------------------------------ collectives for Lightning
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        C.barrier(None, device_ids=ids)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return C.broadcast_object(obj, src, None)
-
+    # barrier, broadcast and all_gather: core.py (the same for both front ends)
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or C.world_size(group) == 1:
-            return tensor
-        op = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
-        if op in ("avg", "mean"):
-            out = tensor.detach().clone().float() if not tensor.is_floating_point() else tensor.detach().clone()
-            C.all_reduce(out, group, "sum")
-            return out / C.world_size(group)
-        if op not in ("sum", "max", "min"):
-            raise ValueError(f"reduce_op must be one of 'mean', 'sum', 'max', 'min'; got {reduce_op!r}")
-        out = tensor.detach().clone()
-        C.all_reduce(out, group, op)
-        return out
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        n = C.world_size(group)
-        t = tensor.contiguous()
-        out = [torch.empty_like(t) for _ in range(n)]
-        C.all_gather_list(out, t, group)
-        return torch.stack(out)
+        return self._reduce(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -548,33 +296,9 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
         return True
 
     # ------------------------------------------------------------------ teardown / registry
-    def _remove_swap_dirs(self) -> None:
-        """The watchdog's cleanup when a peer failed and this process is ended (no collective)."""
-        for engine in list(self._engines.values()):
-            swap = getattr(engine, "swap_dir", None)
-            path = swap() if callable(swap) else None
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
-
     @override
     def teardown(self) -> None:
-        self._end_watch()
-        if self._watchdog is not None:  # joined: a daemon thread inside a store call at interpreter exit aborts it
-            self._watchdog.stop()
-            self._watchdog.join(timeout=5.0)
-            self._watchdog = None
-        C.destroy_groups_at_exit(not self._failed)  # comm/collectives.py [Note: destroy at exit]
-        if self._failed:  # after an exception: no collective (a peer may be gone), threads joined, swap removed
-            for engine in self._engines.values():
-                engine.abandon()
-        else:
-            self.wait_for_checkpoint()  # an async save still writing: the fit ends when it is on disk
-            for engine in self._engines.values():
-                engine.teardown()  # offload: finish a delayed step, release swap files
-                engine.remove_hooks()  # engines stay: trainer.save_checkpoint() after fit still gathers shards
-                if isinstance(engine, Stage3Engine) and self.lightning_module is not None:
-                    engine.end_eval_step()
-                    self._guards += guard_released_modules(self.lightning_module, engine)
+        self._teardown_engines()
         if not self._engines:
             super().teardown()
             return
@@ -595,28 +319,6 @@ class ZeroStrategy(CheckpointMixin, ParallelStrategy):
 
         register_all(strategy_registry)
 
-
-def _check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[int, str]) -> None:
-    """Each parameter in at most one optimizer: its partition and optimizer state exist once."""
-    owner: dict[int, int] = {}
-    for i, opt in enumerate(optimizers):
-        for pg in opt.param_groups:
-            for p in pg["params"]:
-                j = owner.setdefault(id(p), i)
-                if j != i:
-                    raise ValueError(
-                        f"Parameter '{names.get(id(p), '?')}' is in optimizer {j} ({type(optimizers[j]).__name__}) and in "
-                        f"optimizer {i} ({type(opt).__name__}). ZeRO keeps one partition and one optimizer state per "
-                        "parameter: give every parameter to exactly one optimizer in configure_optimizers."
-                    )
-
-
-def _frozen_params(module: torch.nn.Module, optimizers: list[Optimizer]) -> list[torch.nn.Parameter]:
-    """Stage 3 partitions these too, without gradients, masters or optimizer state: parameters with
-    ``requires_grad=False`` or in no optimizer (the frozen base of a LoRA fine-tune). Non-floating
-    parameters stay replicated."""
-    trainable = {id(p) for opt in optimizers for pg in opt.param_groups for p in pg["params"] if p.requires_grad}
-    return [p for p in module.parameters() if id(p) not in trainable and p.is_floating_point()]
 
 
 def _loop_kind(trainer: Optional["pl.Trainer"]) -> Optional[str]:

@@ -8,7 +8,7 @@ calls ``remove_checkpoint`` for checkpoints that fall out of the top-k; resuming
 sharded format the first two return markers (no gather), and the two loads read the pieces.
 
 The mixin expects the strategy's ``config``, ``dims``, ``_engines``, ``_pipeline``, ``_orig_dtypes``,
-``optimizers``, ``lightning_module`` and ``checkpoint_io``.
+``optimizers``, ``_zero_module`` (the module the engines manage) and ``checkpoint_io``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class CheckpointMixin:
         for engine in self._engines.values():  # type: ignore[attr-defined]
             total += sum(3 * fg.master.numel() * fg.master.element_size() for fg in engine.groups)
             total += sum(fg.master.numel() * fg.master.element_size() for fg in getattr(engine, "frozen_groups", []))
-        total += sum(b.numel() * b.element_size() for b in self.lightning_module.buffers())  # type: ignore[attr-defined]
+        total += sum(b.numel() * b.element_size() for b in self._zero_module.buffers())  # type: ignore[attr-defined]
         self.checkpointer.reserve(int(total * 1.01) + 2**20, pin=self.root_device.type == "cuda")  # type: ignore[attr-defined]
 
     @property
@@ -71,11 +71,12 @@ class CheckpointMixin:
     def _sharded(self) -> bool:
         return self.config.checkpoint_format == "sharded"  # type: ignore[attr-defined]
 
-    def _rank_view(self) -> L.RankView:
+    def _rank_view(self, optimizers: Optional[list[Optimizer]] = None) -> L.RankView:
+        """What this rank holds; ``optimizers``: those a checkpoint covers, in its order (default: all)."""
         dims = self.dims  # type: ignore[attr-defined]
-        opts = list(self.optimizers)  # type: ignore[attr-defined]
+        opts = list(self.optimizers if optimizers is None else optimizers)  # type: ignore[attr-defined]
         return L.RankView(
-            module=self.lightning_module,  # type: ignore[attr-defined]
+            module=self._zero_module,  # type: ignore[attr-defined]
             optimizers=opts,
             engines=[self._engines.get(id(o)) for o in opts],  # type: ignore[attr-defined]
             dp_rank=dims.dp_rank if dims is not None else 0,
@@ -98,7 +99,7 @@ class CheckpointMixin:
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         state = module.state_dict()
         masters: dict[int, Tensor] = {}
@@ -128,6 +129,10 @@ class CheckpointMixin:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         if self._sharded():
             return ShardedOptimizerState([id(o) for o in self.optimizers].index(id(optimizer)))  # type: ignore[attr-defined]
+        return self._full_optimizer_state(optimizer)
+
+    def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """torch's per-parameter format, gathered from the partitions (collective)."""
         engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
         if engine is None:
             return optimizer.state_dict()
@@ -145,9 +150,13 @@ class CheckpointMixin:
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
+        self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, self._sharded_info(checkpoint))
+
+    def _sharded_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``meta.pt`` says about the run that wrote a sharded checkpoint."""
         cfg = self.config  # type: ignore[attr-defined]
         dims = self.dims  # type: ignore[attr-defined]
-        info = {
+        return {
             "stage": cfg.stage,
             "world_size": C.world_size(),
             "dp": dims.dp if dims is not None else 1,
@@ -157,7 +166,6 @@ class CheckpointMixin:
             "global_step": checkpoint.get("global_step"),
             "epoch": checkpoint.get("epoch"),
         }
-        self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, info)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Delete a checkpoint completely, file or directory (rank 0), after a pending async save."""
@@ -173,6 +181,9 @@ class CheckpointMixin:
             ckpt = dict(meta["lightning"])
             ckpt["state_dict"] = ShardedStateDict(str(path))
             info = meta["lightning_zero"]
+            if info.get("front_end") == "fabric":  # fabric/checkpoint.py [Note: one format, two front doors]
+                ckpt.setdefault("pytorch-lightning_version", info.get("lightning_version", "2.0.0"))
+                ckpt.setdefault("lr_schedulers", [])
             if info.get("has_optimizer_states"):
                 ckpt["optimizer_states"] = [ShardedOptimizerState(k, str(path)) for k in range(len(info["optimizers"]))]
             return ckpt
@@ -195,7 +206,11 @@ class CheckpointMixin:
             self.checkpointer.load_weights(self._rank_view(), sd.path, strict, self._pipeline is not None,  # type: ignore[attr-defined]
                                            self._host_state, self._refresh_from_masters)
             return
-        module = self.lightning_module  # type: ignore[attr-defined]
+        self._load_full_weights(sd, strict)
+
+    def _load_full_weights(self, sd: Mapping[str, Any], strict: bool) -> None:
+        """A full state dict into the module and the engines' masters (stage 3: the masters only)."""
+        module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
         if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
@@ -224,13 +239,17 @@ class CheckpointMixin:
             self.checkpointer.load_optimizers(self._rank_view(), saved[0].path, self._host_state)
             return
         for opt, state in zip(self.optimizers, saved):  # type: ignore[attr-defined]
-            pipeline = self._pipeline  # type: ignore[attr-defined]
-            if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
-                state = pipeline.local_optimizer_state(state)
-            engine = self._engines.get(id(opt))  # type: ignore[attr-defined]
-            if engine is None:
-                opt.load_state_dict(state)
-            else:
-                zsd.load_optimizer_state(engine, state)
-                with engine.masters_in_optimizer():
-                    compressed_comm.restore_comm_state(opt, state)
+            self._load_full_optimizer_state(opt, state)
+
+    def _load_full_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> None:
+        """torch's per-parameter format into the partitions this rank holds."""
+        pipeline = self._pipeline  # type: ignore[attr-defined]
+        if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
+            state = pipeline.local_optimizer_state(state)
+        engine = self._engines.get(id(opt))  # type: ignore[attr-defined]
+        if engine is None:
+            opt.load_state_dict(state)
+        else:
+            zsd.load_optimizer_state(engine, state)
+            with engine.masters_in_optimizer():
+                compressed_comm.restore_comm_state(opt, state)

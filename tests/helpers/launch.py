@@ -20,13 +20,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600) -> dict[str, dict]:
+def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600,
+               script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
+    """Run ``script OUT NAME=SPEC...`` under torchrun; each run's ``OUT/NAME.pt`` (written by rank 0)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED"):
         env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(ROOT / "tests/helpers/dist_worker.py"), str(tmp),
+        str(ROOT / script), str(tmp),
     ] + [f"{k}={v}" for k, v in runs.items()]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -1,0 +1,10 @@
+"""lightning_zero under Lightning Fabric: ``Fabric(strategy="zero3")`` after ``import lightning_zero``.
+
+The same engines and the same ``ZeroConfig`` options as the Trainer's ``ZeroStrategy``; the glue both
+front ends share is lightning_zero/core.py ([Note: one engine, two front doors]).
+"""
+
+from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.fabric.strategy import ZeroFabricStrategy
+
+__all__ = ["ZeroFabricPrecision", "ZeroFabricStrategy"]

@@ -1,0 +1,401 @@
+"""ZeroFabricStrategy: Lightning Fabric's front door to the ZeRO engines. No ZeRO math lives here.
+
+Reading order of a Fabric loop: ``setup_environment`` (process groups, core.py) ->
+``module_init_context`` (stage 3 with ``empty_init=True``: parameters on the meta device) ->
+``setup_module_and_optimizers`` (module placed and made identical on every rank, one engine per
+optimizer, stage 3 materialising unit by unit, the module cast to the compute dtype) -> per batch:
+the module's forward (a pre-forward hook opens the step: buffers from rank 0, stage-3 root unit
+gathered, ReadWatch on the first batch of each kind) -> ``backward`` (loss scaled, engines reduce)
+-> ``clip_gradients_norm`` (the global norm, recorded for the step) -> ``optimizer_step``
+(``engine.step``) -> ``save_checkpoint``/``load_checkpoint`` (fabric/checkpoint.py).
+
+[Note: set up without an optimizer]
+``fabric.setup_module(model)`` may come before the optimizer exists (FSDP's order). Below stage 3
+the module is usable alone (inference) and the engines are built by ``setup_optimizers``; the cast to
+16 bits waits for them (the masters are taken in fp32) or for the first forward. Stage 3 partitions
+parameters together with their optimizer: a stage-3 module whose optimizer was never set up fails
+at its first forward, before any collective, naming the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+from lightning.fabric.utilities.init import _EmptyInit
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.core import ZeroCore
+from lightning_zero.fabric.checkpoint import FabricCheckpointMixin
+from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.materialize import params_on_meta
+
+PIPELINE_REFUSAL = (
+    "lightning_zero's pipeline parallelism (pipeline_stages > 1) runs through the Trainer only: its schedule "
+    "drives forward and backward of every micro-batch inside training_step, which a Fabric loop writes itself. "
+    "Use Trainer(strategy='pipeline'), or a ZeRO stage (zero0..zero3, *_offload) under Fabric."
+)
+
+
+class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
+    """DeepSpeed's ZeRO for Lightning Fabric: ``Fabric(strategy="zero3")`` or
+    ``Fabric(strategy=ZeroFabricStrategy(stage=3, offload_optimizer="cpu"))``.
+
+    Options are the fields of :class:`lightning_zero.config.ZeroConfig`, exactly as for the Trainer's
+    :class:`~lightning_zero.ZeroStrategy` (an unknown one is an error naming the valid ones).
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = ZeroConfig.stage,
+        *,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        loss_scale: Optional[Union[LossScaleConfig, dict]] = None,
+        **options: Any,
+    ) -> None:
+        self._init_core(stage, loss_scale, options)
+        if self.config.pipeline_stages > 1:
+            raise NotImplementedError(PIPELINE_REFUSAL)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._module: Optional[Module] = None
+        self._optimizers: list[Optimizer] = []
+        self._hooks: list[Any] = []
+        self._ready = False
+        """Whether the module is cast and its engines (if any) exist ([Note: set up without an optimizer])."""
+        self._clip: dict[int, float] = {}
+        """Per engine: the max_norm of ``clip_gradients`` for its next step."""
+        self._backward_pending = False
+        """A training forward ran and its backward has not: a second forward belongs to the same step."""
+
+    # ------------------------------------------------------------------ Fabric plumbing
+    @property
+    def _zero_module(self) -> Optional[Module]:
+        return self._module
+
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The optimizers set up through this strategy, in order."""
+        return list(self._optimizers)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self.dims is not None:
+            return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property  # type: ignore[override]
+    def precision(self) -> ZeroFabricPrecision:
+        plugin = self._precision
+        return plugin if isinstance(plugin, ZeroFabricPrecision) else ZeroFabricPrecision("32-true", self._loss_scale)
+
+    @precision.setter
+    def precision(self, plugin: Optional[Precision]) -> None:
+        """Fabric's connector hands us a plugin built from ``precision=...``: convert it."""
+        if plugin is None or isinstance(plugin, ZeroFabricPrecision):
+            self._precision = plugin
+            return
+        if isinstance(plugin, ZeroPrecision):  # the Trainer's plugin: same settings, Fabric's calls
+            zp = ZeroFabricPrecision(plugin.precision)
+            zp.scaler = plugin.scaler
+        else:
+            zp = ZeroFabricPrecision.from_plugin(plugin)
+            if self._loss_scale is not None and zp.scaler is not None:
+                zp = ZeroFabricPrecision(zp.precision, self._loss_scale)
+        self._precision = zp
+
+    @property
+    def precision_plugin(self) -> ZeroFabricPrecision:
+        """The name core.py reads (the Trainer's strategies call it so)."""
+        return self.precision
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.config.start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self.config.start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # No peer watchdog: Fabric calls no teardown or exception hook that would stop its thread.
+        self._setup_zero_environment(watchdog=False)
+
+    @override
+    def module_to_device(self, module: Module) -> None:
+        self._place(module)  # meta parameters stay: materialised unit by unit
+
+    # ------------------------------------------------------------------ building the model
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """On this rank's device; stage 3 with ``empty_init=True``: parameters on the meta device,
+        materialised unit by unit by the engine (materialize.py), each costing memory once."""
+        stack = ExitStack()
+        stack.enter_context(self.root_device)
+        stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
+        if self.config.stage == 3 and empty_init:
+            stack.enter_context(params_on_meta())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_sharded_context(self) -> AbstractContextManager:
+        return params_on_meta() if self.config.stage == 3 else nullcontext()
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        self._adopt(module)
+        self._add_optimizers(optimizers)
+        return module, optimizers, scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """[Note: set up without an optimizer]: the engines come with ``setup_optimizers``."""
+        self._adopt(module)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self._module is None:
+            raise RuntimeError("Set the model up first: `model = fabric.setup_module(model)`, then the optimizer.")
+        self._add_optimizers([optimizer])
+        return optimizer
+
+    def _adopt(self, module: Module) -> None:
+        if self._module is not None and module is not self._module:
+            raise ValueError(
+                "ZeroFabricStrategy sets up one model: its engines partition that model's parameters. Put several "
+                "networks (a GAN's generator and discriminator) in one nn.Module and give each its own optimizer."
+            )
+        if self._module is None:
+            self._unshard_previous_engines()
+            self._prepare_module(module)
+            self._module = module
+            self._hooks = [
+                module.register_forward_pre_hook(self._pre_forward, prepend=True),
+                module.register_forward_hook(self._post_forward),
+            ]
+
+    def _add_optimizers(self, optimizers: list[Optimizer]) -> None:
+        assert self._module is not None
+        if not optimizers:
+            return
+        if self._ready and self.config.stage == 3:
+            raise RuntimeError(
+                "ZeRO stage 3 partitions the model together with all its optimizers: set them up in one call, "
+                "`fabric.setup(model, opt1, opt2)` or `fabric.setup_optimizers(opt1, opt2)` right after setup_module."
+            )
+        if self._ready and self._engines and any(p.dtype != torch.float32 for p in self._module.parameters()):
+            raise RuntimeError("Set every optimizer up before the first forward: the module is cast to 16 bits by then.")
+        new = [getattr(o, "optimizer", o) for o in optimizers]
+        self._build_engines(self._module, [*self._optimizers, *new], accumulate=True, only=new)
+        self._optimizers += new
+        for opt in new:
+            engine = self._engines[id(opt)]
+            _route_zero_grad(opt, engine)
+        self._finish()
+        self._reserve_async_staging()
+
+    def _finish(self) -> None:
+        if not self._ready:
+            assert self._module is not None
+            self._finish_setup(self._module)
+            self._ready = True
+
+    # ------------------------------------------------------------------ one step
+    def _pre_forward(self, module: Module, args: Any) -> None:
+        """Opens a step (the Trainer's ``training_step``/``validation_step`` do it there)."""
+        if not self._ready:
+            if self.config.stage == 3:
+                raise RuntimeError(
+                    "ZeRO stage 3 partitions the model's parameters together with their optimizer, but this model was "
+                    "set up without one. Call `optimizer = fabric.setup_optimizers(optimizer)` after "
+                    "`fabric.setup_module(model)`, or `model, optimizer = fabric.setup(model, optimizer)`, before the "
+                    "first forward (for inference without an optimizer use zero0..zero2)."
+                )
+            self._finish()
+        if self._backward_pending:
+            return  # a second forward of the same step (its root unit is gathered already)
+        kind = "train" if torch.is_grad_enabled() else "val"
+        self._watch_first(kind)
+        self._start_step(kind)
+        if self._watch is not None:
+            self._watch.gathering = True
+
+    def _post_forward(self, module: Module, args: Any, output: Any) -> None:
+        if self._watch is not None:
+            self._watch.gathering = False
+        if torch.is_grad_enabled():
+            self._backward_pending = True
+        else:
+            self._end_eval_step()
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """The loss scaled (fp16), backward (engine hooks reduce buckets), the reductions finished."""
+        for engine in self._engines.values():
+            self._before_backward(engine)
+        scaler = self.precision.scaler
+        if scaler is not None:
+            tensor = tensor * scaler.scale
+        tensor.backward(*args, **kwargs)
+        self._post_backward()
+        self._backward_pending = False
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: Union[float, int],
+        norm_type: Union[float, int] = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """The global 2-norm over every partition (before clipping, unscaled), returned now; the clip
+        itself is one multiply inside the next ``optimizer.step()`` (the engine unscales there too)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"ZeRO clips by the global 2-norm only (norm_type=2.0), got norm_type={norm_type!r}.")
+        engine = self._engine_or_raise(optimizer)
+        scaler = self.precision.scaler
+        scale = scaler.scale if scaler is not None else 1.0
+        norm = engine.global_grad_norm_sq(engine._master_grads()).sqrt() / scale
+        if error_if_nonfinite and scaler is None and not math.isfinite(float(norm)):
+            raise RuntimeError(
+                f"The total norm of the gradients is non-finite ({float(norm)}), so it cannot be clipped. "
+                "Set error_if_nonfinite=False to step anyway."
+            )
+        self._clip[id(engine)] = float(max_norm)
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        raise ValueError(
+            "ZeRO clips gradients by their global norm only: elementwise clipping would need every full gradient, "
+            "which stages 1-3 never assemble. Use `fabric.clip_gradients(model, optimizer, max_norm=...)`."
+        )
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        engine = self._engine_or_raise(optimizer)
+        closure = kwargs.pop("closure", None)
+        if kwargs:
+            raise TypeError(f"optimizer.step() under ZeRO takes only a closure, got {sorted(kwargs)}.")
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._step_engine(engine, self._clip.pop(id(engine), None))
+        return result
+
+    def _engine_or_raise(self, optimizer: Any) -> ZeroEngine:
+        engine = self._engine_of(getattr(optimizer, "optimizer", optimizer))
+        if engine is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} was not set up by this strategy: pass it to `fabric.setup(model, optimizer)` "
+                "or `fabric.setup_optimizers(optimizer)`."
+            )
+        return engine
+
+    # ------------------------------------------------------------------ collectives (the rest: core.py)
+    @override
+    def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        return self._reduce(tensor, group, reduce_op)
+
+    # ------------------------------------------------------------------ teardown / registry
+    @override
+    def teardown(self) -> None:
+        """Engines finished (offload threads, swap files); parameters are not moved to the CPU (the
+        engines keep their partitions, a save afterwards still works)."""
+        self._teardown_engines()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from lightning_zero.registry import register_all_fabric
+
+        register_all_fabric(strategy_registry)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: gradients accumulate locally (stages 0-1) while it is on."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        return self._strategy._sync_blocked() if enabled else nullcontext()
+
+
+def _route_zero_grad(optimizer: Optimizer, engine: ZeroEngine) -> None:
+    """``optimizer.zero_grad()`` discards what the engine accumulated (engine.py [Note: the optimizer
+    keeps the model's parameters]). Fabric's wrapper builds its class from the optimizer's class and
+    finds ``zero_grad`` there, never on the instance (the Trainer's way), so the optimizer gets a
+    subclass of its own class, named the same, whose ``zero_grad`` is the engine's."""
+    base = type(optimizer)
+
+    def zero_grad(self: Any, set_to_none: bool = True) -> None:
+        engine.zero_grad(set_to_none)
+
+    optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
+

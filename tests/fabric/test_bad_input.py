@@ -1,0 +1,65 @@
+"""Bad input under Fabric fails before any work, with a message that names the fix (single process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric import Fabric
+
+import lightning_zero
+from lightning_zero.registry import PRESETS
+from tests.fabric.fabric_worker import FabricNet
+
+
+def _fabric(strategy: object) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "pipeline"])
+def test_every_registered_name_builds_a_fabric_strategy(name: str) -> None:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=name)
+    assert isinstance(fabric.strategy, lightning_zero.ZeroFabricStrategy)
+    assert fabric.strategy.config.stage == PRESETS[name]["stage"]
+
+
+def test_pipeline_is_refused_with_a_reason() -> None:
+    with pytest.raises(NotImplementedError, match="runs through the Trainer only"):
+        Fabric(accelerator="cpu", devices=2, strategy="pipeline")
+
+
+def test_unknown_option_names_the_valid_ones() -> None:
+    with pytest.raises(TypeError, match=r"Unknown ZeroStrategy option\(s\) \['bukcet_size_mb'\].*bucket_size_mb"):
+        lightning_zero.ZeroFabricStrategy(stage=2, bukcet_size_mb=5)
+
+
+def test_stage3_model_without_its_optimizer_fails_at_the_first_forward() -> None:
+    fabric = _fabric("zero3")
+    with fabric.init_module(empty_init=True):
+        model = FabricNet()
+    model = fabric.setup_module(model)
+    with pytest.raises(RuntimeError, match="set up without one.*fabric.setup_optimizers"):
+        model(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_clip_by_value_and_other_norms_are_refused() -> None:
+    fabric = _fabric("zero2")
+    model = FabricNet()
+    opt = torch.optim.AdamW(model.param_groups(), lr=1e-3)
+    model, opt = fabric.setup(model, opt)
+    fabric.backward(model(torch.zeros(2, 3, dtype=torch.long)).float().pow(2).mean())
+    with pytest.raises(ValueError, match="global norm only.*max_norm"):
+        fabric.clip_gradients(model, opt, clip_val=1.0)
+    with pytest.raises(ValueError, match="2-norm only"):
+        fabric.clip_gradients(model, opt, max_norm=1.0, norm_type="inf")
+    assert float(fabric.clip_gradients(model, opt, max_norm=1.0)) > 0  # the supported form works
+    opt.step()
+
+
+def test_a_second_model_is_refused() -> None:
+    fabric = _fabric("zero1")
+    first = FabricNet()
+    fabric.setup(first, torch.optim.AdamW(first.param_groups(), lr=1e-3))
+    with pytest.raises(ValueError, match="sets up one model"):
+        fabric.setup_module(FabricNet())
