@@ -1,0 +1,173 @@
+"""The same engines through both front doors, side by side, in one run (issue #18).
+
+GPT-1.3B (``conf/model/gpt_1b.yaml``), micro-batch 8 per GPU, seq 1024, ``bf16-mixed``, torch
+AdamW(fused=True), one process tree per configuration:
+
+* the Trainer (peers_worker.py, unchanged): ``trainer_zero2``, ``trainer_zero3``, ``trainer_fsdp``,
+  ``trainer_deepspeed_stage_3``;
+* a hand-written Fabric loop (fabric_worker.py): ``fabric_zero2``, ``fabric_zero3``, ``fabric_fsdp``
+  (FULL_SHARD, one unit per transformer block, meta-device init), ``fabric_deepspeed_stage_3``.
+
+Each peer runs in its documented best configuration (fused AdamW, FSDP's transformer-block auto-wrap
+policy). Targets, as same-run ratios: ``fabric_zero2`` and ``fabric_zero3`` >= 0.98x their Trainer
+runs; ``fabric_zero3`` against Fabric's ``fsdp`` and ``deepspeed_stage_3`` at least the ratio the
+Trainer shows against the Trainer's (both printed in the last table).
+
+    python3 benchmarks/fabric.py --gpus 1 --budget-s 560            # ~9 min on one H100/H200
+    python3 benchmarks/fabric.py --gpus 1 --configs trainer_zero3,fabric_zero3 --steps 20
+    python3 benchmarks/fabric.py --device cpu --model gpt_tiny --gpus 1 --configs trainer_zero2,fabric_zero2,trainer_zero3,fabric_zero3 --steps 2 --warmup 1
+
+As peers.py (whose run loop, process handling and table this reuses): one process tree per
+configuration, this parent never imports torch, failures and timeouts become rows (a peer that
+cannot be imported, e.g. DeepSpeed, is 'skipped'), ``--budget-s`` bounds the run and the table is
+always printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from peers import (  # noqa: E402
+    _note, add_runner_args, child_env, meta as peers_meta, reap_workers, reason_from_tail, run_benchmark, run_child,
+)
+from peers_report import (  # noqa: E402
+    Row, Target, _fmt, _versions_line, build_row, meta_record, render_table, render_targets,
+)
+
+PEERS = ("zero2", "zero3", "fsdp", "deepspeed_stage_3")
+ALL = [f"{door}_{peer}" for peer in PEERS for door in ("trainer", "fabric")]
+"""Each peer through the Trainer, then through Fabric (pairs next to each other)."""
+WORKERS = {"trainer": HERE / "peers_worker.py", "fabric": HERE / "fabric_worker.py"}
+TARGETS: tuple[Target, ...] = tuple(
+    Target(g, f"fabric_{p}", "tokens", f"trainer_{p}", 0.98, 18) for g in (1, 2) for p in ("zero2", "zero3")
+)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=1)
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {ALL}")
+    p.add_argument("--model", default="gpt_1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=15, help="timed steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    add_runner_args(p, config_timeout_s=240.0, min_config_s=45.0)
+    args = p.parse_args(argv)
+    names = args.configs.split(",") if args.configs else list(ALL)
+    unknown = [n for n in names if n not in ALL]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; valid ones are {ALL}")
+    args.config_names = names
+    args.profile = False
+    return args
+
+
+def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str]:
+    door, _, peer = config.partition("_")
+    launch = [sys.executable]
+    if args.gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    return launch + [
+        str(WORKERS[door]), "--config", peer if door == "trainer" else config, "--model", args.model,
+        "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--device", args.device, "--devices", str(args.gpus), "--results-file", str(results),
+    ]
+
+
+def run_config(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float]) -> None:
+    """One configuration, once; every outcome (skip, failure, timeout) is recorded as a row (a Trainer
+    worker's records name its peer: they are renamed to this configuration)."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left < args.min_config_s:
+        _note(results, config, 0, kind="error", status="skipped", rank=0,
+              reason=f"out of time budget ({max(0.0, left):.0f} s left)")
+        return
+    timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
+    attempt_file = out_dir / f"{config}.jsonl"
+    attempt_file.unlink(missing_ok=True)
+    attempt_file.with_suffix(".pids").unlink(missing_ok=True)
+    print(f"==> {config} (timeout {timeout:.0f} s)")
+    worker = WORKERS[config.partition("_")[0]]
+    result = run_child(worker_cmd(args, config, attempt_file), child_env(args, "lightning"),
+                       out_dir / f"{config}.log", timeout, prefix=f"[{config}] ")
+    killed = reap_workers(attempt_file.with_suffix(".pids"), worker.name)
+    if killed:
+        print(f"... {config}: killed leftover worker processes {killed}")
+    records = [json.loads(line) for line in attempt_file.read_text().splitlines() if line.strip()] \
+        if attempt_file.is_file() else []
+    with results.open("a") as fh:
+        for r in records:
+            fh.write(json.dumps({**r, "config": config, "attempt": 0}) + "\n")
+    if not records or result.timed_out:
+        _note(results, config, 0, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
+    print(f"<== {config}: {'ok' if result.returncode == 0 and not result.timed_out else 'failed'} in {result.seconds:.0f} s")
+
+
+def meta(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    out = peers_meta(args, command)
+    out["baseline"] = "trainer_zero3"
+    return out
+
+
+def _doors(rows: list[Row]) -> str:
+    """Per peer: Fabric over Trainer tokens/s; then zero3 over each peer, through each door."""
+    tok = {r.config: r.tokens_per_s for r in rows if r.status == "ok" and r.tokens_per_s}
+    lines = ["| peer | Trainer tokens/s | Fabric tokens/s | Fabric / Trainer |", "|---|---|---|---|"]
+    for peer in PEERS:
+        t, f = tok.get(f"trainer_{peer}"), tok.get(f"fabric_{peer}")
+        lines.append(f"| `{peer}` | {_fmt(t, ',.0f')} | {_fmt(f, ',.0f')} | {_fmt(f / t if t and f else None, '.3f')} |")
+    lines += ["", "| zero3 over | through the Trainer | through Fabric | Fabric comparison at least the Trainer's |",
+              "|---|---|---|---|"]
+    for peer in ("fsdp", "deepspeed_stage_3"):
+        ratios = []
+        for door in ("trainer", "fabric"):
+            z, p = tok.get(f"{door}_zero3"), tok.get(f"{door}_{peer}")
+            ratios.append(z / p if z and p else None)
+        ok = "–" if None in ratios else ("PASS" if ratios[1] >= ratios[0] * 0.98 else "FAIL")
+        lines.append(f"| `{peer}` | {_fmt(ratios[0], '.3f')} | {_fmt(ratios[1], '.3f')} | {ok} |")
+    return "\n".join(lines)
+
+
+def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] = None) -> str:
+    m = meta_record(records)
+    gpus = int(m.get("gpus", 1))
+    names = configs or m.get("configs") or sorted({r["config"] for r in records if "config" in r})
+    rows = [build_row(records, name, gpus) for name in names]
+    ranks = [r for r in records if r.get("kind") == "rank"]
+    device = next((r["device_name"] for r in ranks), m.get("device_name") or "unknown device")
+    dims = m.get("model", {}).get("dims", {})
+    lines = [
+        f"## {m.get('date', '?')} · Trainer vs Fabric · {gpus} GPU(s) · {device}",
+        "",
+        f"Workload: {m.get('model', {}).get('name', '?')} ({dims.get('n_layer')} layers × d_model {dims.get('d_model')}, "
+        f"seq {dims.get('seq_len')}), micro-batch {m.get('micro_batch')} per GPU, `bf16-mixed`, torch AdamW(fused=True); "
+        f"{m.get('warmup')} warm-up + {m.get('steps')} timed steps; `fsdp` = FULL_SHARD, auto_wrap_policy={{Block}}.",
+        "",
+        f"Versions: {_versions_line(m, next((r.get('versions') for r in ranks), None))}",
+        "",
+        f"Command: `{m.get('command', '?')}`",
+        "",
+        render_table(rows, m),
+        "",
+        _doors(rows),
+    ]
+    targets = render_targets(rows, gpus, TARGETS)
+    if targets:
+        lines += ["", targets]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_benchmark(parse_args(argv), argv, "fabric", meta, run_config, render_section)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
