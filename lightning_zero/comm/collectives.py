@@ -179,6 +179,27 @@ def all_to_all(output: Tensor, input: Tensor, group: Optional[ProcessGroup], asy
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
+def all_to_all_single(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: Optional[ProcessGroup],
+    async_op: bool = False,
+):
+    """Uneven all-to-all along dim 0: the first ``input_split_sizes[j]`` rows after the earlier splits go to
+    rank j; ``output`` receives ``output_split_sizes[i]`` rows from rank i, in rank order. Both ranks of a
+    pair must agree on the count they exchange (exchange the counts first, e.g. with :func:`all_to_all`).
+    One process: ``output`` is a copy of ``input`` (the two split lists are then both ``[len(input)]``)."""
+    if _single(group):
+        output.copy_(input)
+        return _DoneWork() if async_op else None
+    return dist.all_to_all_single(
+        output, input, output_split_sizes=list(output_split_sizes), input_split_sizes=list(input_split_sizes),
+        group=group, async_op=async_op,
+    )
+
+
 def send(tensor: Tensor, dst_group_rank: int, group: Optional[ProcessGroup]) -> None:
     dist.send(tensor, dst=global_rank_of(group, dst_group_rank), group=group)
 
