@@ -18,8 +18,9 @@ gate is an ordinary, replicated parameter. :func:`is_expert_parameter` reads the
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -47,7 +48,8 @@ class MoE(nn.Module):
     Args:
         hidden_size: last dimension of the input and output.
         expert: a factory called once per local expert, returning a module ``[n, hidden] -> [n, hidden]``
-            that treats tokens independently (an MLP).
+            that treats tokens independently (an MLP). A module instead of a factory is deep-copied once
+            per local expert, as DeepSpeed's ``MoE(expert=module)`` does (the copies start identical).
         num_experts: experts in total, over the expert-parallel group.
         top_k: 1 (Switch) or 2 (GShard) experts per token.
         capacity_factor: capacity in training, as a multiple of the balanced load (gating.py [Note: capacity]).
@@ -63,7 +65,7 @@ class MoE(nn.Module):
     def __init__(
         self,
         hidden_size: int,
-        expert: Callable[[], nn.Module],
+        expert: Union[Callable[[], nn.Module], nn.Module],
         num_experts: int = 1,
         top_k: int = 1,
         capacity_factor: float = 1.0,
@@ -77,6 +79,9 @@ class MoE(nn.Module):
         super().__init__()
         validate_gate_args(hidden_size, num_experts, top_k, capacity_factor, eval_capacity_factor, min_capacity,
                            noisy_gate_policy)
+        if isinstance(expert, nn.Module):  # DeepSpeed's form: copies of one module
+            template = expert
+            expert = lambda: copy.deepcopy(template)  # noqa: E731
         if not callable(expert):
             raise TypeError(f"expert must be a factory returning an nn.Module (e.g. a lambda), got {expert!r}")
         ep_size = C.world_size(ep_group) if ep_group is not None else 1
