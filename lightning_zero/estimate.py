@@ -18,6 +18,7 @@ from lightning_zero.offload.estimator import (
     GIB, SETTINGS, Machine, Setting, Workload, estimate, fits, largest_fitting,
 )
 from lightning_zero.offload.pinned import available_host_bytes
+from lightning_zero.optim.host_states import PRECISIONS, bytes_per_param
 
 
 def _count(text: str) -> int:
@@ -57,6 +58,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefetch-units", type=int, default=1)
     p.add_argument("--accumulate", action="store_true", help="gradient accumulation (adds an fp32 host accumulator)")
     p.add_argument("--delayed-update", action="store_true", help="delayed_param_update (double host buffers)")
+    p.add_argument("--state-precision", choices=PRECISIONS, default="fp32",
+                   help="offload_state_precision of CPU optimizer offload (compact host states)")
     p.add_argument("--nvme-fraction", type=float, default=None,
                    help="share of optimizer states on NVMe for the 'nvme' settings (ZeroConfig.nvme_fraction); "
                         "default: the largest of 1.0, 0.9, ..., 0.1 that fits this machine")
@@ -112,7 +115,10 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
         unit = None if args.largest_unit is None else int(args.largest_unit * params / args.params)
         return Workload(params, args.gpus, args.nodes, largest_unit=unit, compute_bytes=c,
                         prefetch_units=args.prefetch_units, accumulate=args.accumulate,
-                        delayed_update=args.delayed_update, nvme_fraction=fraction)
+                        delayed_update=args.delayed_update, nvme_fraction=fraction,
+                        state_bytes=bytes_per_param(args.state_precision),
+                        master_in_params=args.state_precision in ("bf16_sr", "bf16_kahan") and args.precision == "bf16-mixed"
+                        and not args.delayed_update)
 
     def fractions(s: Setting) -> list[float]:
         if s.offload_optimizer != "nvme":
@@ -121,7 +127,7 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
 
     lines = [
         f"Memory for {_fmt_count(args.params)} parameters on {args.nodes} node(s) x {args.gpus} GPU(s), {args.precision}, "
-        "Adam. Model states and offload buffers only: activations, the CUDA context and fragmentation come on top.",
+        f"Adam{'' if args.state_precision == 'fp32' else f' (CPU offload: {args.state_precision} host states)'}. Model states and offload buffers only: activations, the CUDA context and fragmentation come on top.",
         f"This machine: {machine_line}.",
         "",
         "| setting | GPU per device | host per node | NVMe per node | fits here | largest model here (limited by) |",

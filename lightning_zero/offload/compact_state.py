@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_zero.offload.cpu import AdamHyper
 from lightning_zero.offload.device_share import host_changed, host_identity
-from lightning_zero.offload.swap_state import make_placeholder, make_resident
+from lightning_zero.offload.swap_state import make_placeholder, make_resident, take_storage
 from lightning_zero.optim import host_states
 from lightning_zero.optim.host_states import INT8_BLOCK, HostAdamState
 
@@ -43,11 +43,29 @@ class CompactStateMixin:
         self._compact_op = host_states.load_host_op(precision)
         self._compact = []
         for fg in self.groups:  # type: ignore[attr-defined]
-            state = HostAdamState.zeros(fg.master.numel(), precision,
-                                        alloc=lambda n, dt: self.host.empty(n, dt, pin=False))  # type: ignore[attr-defined]
-            state.import_fp32(fg.master)
-            make_placeholder(fg.master)
+            # the state takes the master's memory (host_states.py [Note: adopting the fp32 master]);
+            # fg.master stays a placeholder that host_state() fills
+            master16 = self._compact_master16(fg)
+            state = HostAdamState.adopt(take_storage(fg.master), precision,  # type: ignore[arg-type]
+                                        alloc=lambda n, dt: self.host.empty(n, dt, pin=False),  # type: ignore[attr-defined]
+                                        master16=master16)
             self._compact.append(state)
+
+    def _compact_master16(self, fg: object) -> Optional[Tensor]:
+        """The 16-bit partition that can hold a bf16 layout's master: stage 3 with parameters in host
+        memory and bf16 compute, where the step writes the partition in place (its value is the
+        master's high word, [Note: master_view] in host_states.py). None otherwise."""
+        if not self._compact_master_in_params(self.compute_dtype):  # type: ignore[attr-defined]
+            return None
+        assert self._upload_is_shard16(fg)  # type: ignore[attr-defined]
+        return fg.shard16  # type: ignore[attr-defined]
+
+    def _compact_master_in_params(self, compute_dtype: torch.dtype) -> bool:
+        """Whether a bf16 layout's master lives in the 16-bit parameter partition (see above); also
+        what the host-memory check counts (estimator.Workload.master_in_params)."""
+        o = self.offload  # type: ignore[attr-defined]
+        return (o.offload_state_precision in ("bf16_sr", "bf16_kahan") and compute_dtype == torch.bfloat16
+                and self.stage == 3 and o.offload_params == "cpu" and not o.delayed_param_update)  # type: ignore[attr-defined]
 
     @property
     def _compact_aligned(self) -> bool:
@@ -61,6 +79,8 @@ class CompactStateMixin:
         state = self._compact[gi]
         offset = self.dp_rank * state.numel  # type: ignore[attr-defined]  # distinct random bits per rank
         out16 = out if out is not None and out.dtype != torch.float32 else None
+        if out16 is not None and out16.data_ptr() == state.master.data_ptr():
+            out16 = None  # the master is the partition (_compact_master16): one write, not two to one place
 
         def update_range(lo: int, hi: int) -> None:
             if self._compact_aligned and lo % INT8_BLOCK:

@@ -131,6 +131,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
             bucket_numel=bucket_numel, delayed_update=self.offload.delayed_param_update,
             accumulate=self._accumulating, nvme_chunk_numel=self._chunk_numel(), nvme_fraction=self.offload.nvme_fraction,
             state_bytes=host_states.bytes_per_param(self.offload.offload_state_precision),  # type: ignore[arg-type]
+            master_in_params=self._compact_master_in_params(compute_dtype),
         )
 
     def _chunk_numel(self) -> int:
@@ -161,9 +162,10 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
-        if self.offload.offload_optimizer == "nvme" or self.offload.offload_state_precision != "fp32":
-            # swapped out, or moved into a compact state, once built: resizable storage (swap_state.make_placeholder)
+        if self.offload.offload_optimizer == "nvme":  # swapped out once built: resizable storage (swap_state.make_placeholder)
             return torch.zeros(numel, dtype=dtype)
+        if self.offload.offload_state_precision != "fp32":  # its memory becomes the compact state's (compact_state.py)
+            return self.host.zeros(numel, dtype, pin=False)
         pinned = self.compute_dtype == torch.float32 and not self.offload.delayed_param_update
         return self.host.zeros(numel, dtype, pin=pinned and self._pin)
 

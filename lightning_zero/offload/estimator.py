@@ -88,8 +88,12 @@ class Workload:
     """Share of the masters and optimizer states on NVMe ('nvme' optimizer offload); the rest in host memory."""
     state_bytes: float = 12.0
     """Host bytes per parameter of the CPU optimizer's master and moments: 12 in fp32, fewer with a compact
-    ``offload_state_precision`` (lightning_zero/optim/host_states.py ``bytes_per_param``), which is built
-    from a temporary fp32 master (4 more bytes per parameter while the engine is constructed)."""
+    ``offload_state_precision`` (lightning_zero/optim/host_states.py ``bytes_per_param``). A compact state
+    is built in the memory of the fp32 master it is filled from (host_states.py [Note: adopting the fp32
+    master]), so construction needs no more than training."""
+    master_in_params: bool = False
+    """A bf16 host state whose master is the 16-bit parameter partition (stage 3, parameters in host
+    memory, bf16 compute): ``compute_bytes`` per parameter fewer than ``state_bytes`` plus the partition."""
 
     @property
     def ranks(self) -> int:
@@ -144,12 +148,10 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
     total = grads
     in_place = s.offload_params == "cpu" and c != 4 and not w.delayed_update  # the step writes the partitions
     if s.offload_optimizer == "cpu":
-        total += w.state_bytes * S
+        total += (w.state_bytes - (c if w.master_in_params and in_place else 0)) * S
         compact = w.state_bytes != 12.0
         if (c != 4 or w.delayed_update or compact) and not in_place:
             total += uploads * c * S
-        if compact:  # the fp32 master the compact state is filled from, before the other buffers exist
-            total = max(total, (4 + w.state_bytes) * S + (c * S if s.offload_params == "cpu" else 0))
     else:  # nvme: ring of three chunk sets (master + 2 moments), an upload buffer, chunks kept in memory
         total += 3 * 3 * 4 * min(w.nvme_chunk_numel, S) + 12 * S * (1.0 - w.nvme_fraction)
         if not in_place:

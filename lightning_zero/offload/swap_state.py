@@ -35,6 +35,19 @@ def make_placeholder(t: Tensor) -> Tensor:
     return t
 
 
+def take_storage(t: Tensor) -> Tensor:
+    """Hand ``t``'s memory to a new tensor (returned: same dtype, shape and values, no copy) and leave
+    ``t`` a placeholder (identity and shape kept, storage of its own, empty; :func:`make_resident`
+    gives it memory again). The compact host states take the fp32 masters' memory this way instead of
+    copying it (compact_state.py). The placeholder's storage is set at full size first (torch checks
+    the bounds) and emptied at once: its pages are never touched, so they are never committed."""
+    kept = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    fresh = torch.UntypedStorage((t.storage_offset() + t.numel()) * t.element_size())
+    t.set_(fresh, t.storage_offset(), t.shape, t.stride())
+    fresh.resize_(0)
+    return kept
+
+
 def make_resident(t: Tensor) -> Tensor:
     storage = t.untyped_storage()
     need = (t.storage_offset() + t.numel()) * t.element_size()

@@ -34,6 +34,18 @@ Random bits (``bf16_sr``, ``bf16_kahan`` moments) come from a hash of (seed, ste
 index) (see [Note: stochastic rounding bits]): the engine passes each partition's global offset, so
 ranks draw different bits, and chunked or threaded steps give the same result as one call.
 
+[Note: adopting the fp32 master]
+The engine fills an fp32 master from the model's weights first; a state built beside it and filled
+from it (``zeros`` + ``import_fp32``) holds both for a moment, 4 bytes per parameter more than
+either, which set the construction peak. :meth:`HostAdamState.adopt` builds the state in the master's
+own memory instead: ``int8`` (and ``fp32``) keep the fp32 buffer as their master; the bf16 layouts
+write the rounded master into the buffer's first half (chunk by chunk: element i's two bytes lie
+below element i's four, so only values already read are overwritten) and take the second half for
+``exp_avg``. Given ``master16`` (the 16-bit parameter partition of stage 3 with parameters in host
+memory, which in a bf16 layout *is* the master's value: [Note: master_view]) the master lives there
+and the whole fp32 buffer becomes the two moments: 2 bytes per parameter less than the state plus the
+partition, the difference between a 13B model fitting 128 GiB of host memory or not.
+
 [Note: master_view]
 :meth:`HostAdamState.master_view` is the tensor the update writes the master into: fp32 for ``fp32``
 and ``int8``, bf16 for ``bf16_sr`` and ``bf16_kahan``. For ``bf16_kahan`` it is only the high word:
@@ -81,6 +93,13 @@ def bytes_per_param(precision: HostStatePrecision) -> float:
     return {"fp32": 12.0, "bf16_sr": 6.0, "bf16_kahan": 8.0, "int8": 6.0 + 8.0 / INT8_BLOCK}[precision]
 
 
+def _zeroed(alloc: Alloc, numel: int, dtype: torch.dtype) -> Tensor:
+    t = alloc(numel, dtype)
+    if t.numel() != numel or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(f"alloc({numel}, {dtype}) returned {t.dtype}[{t.numel()}] (contiguous: {t.is_contiguous()})")
+    return t.zero_()
+
+
 def _blocks(numel: int) -> int:
     return (numel + INT8_BLOCK - 1) // INT8_BLOCK
 
@@ -118,10 +137,7 @@ class HostAdamState:
         check_precision(precision)
 
         def z(n: int, dtype: torch.dtype) -> Tensor:
-            t = alloc(n, dtype)
-            if t.numel() != n or t.dtype != dtype or not t.is_contiguous():
-                raise ValueError(f"alloc({n}, {dtype}) returned {t.dtype}[{t.numel()}] (contiguous: {t.is_contiguous()})")
-            return t.zero_()
+            return _zeroed(alloc, n, dtype)
 
         if precision == "fp32":
             return cls(precision, z(numel, torch.float32), z(numel, torch.float32), z(numel, torch.float32), seed=seed)
@@ -132,6 +148,43 @@ class HostAdamState:
         bf = torch.bfloat16
         comp = z(numel, bf) if precision == "bf16_kahan" else None
         return cls(precision, z(numel, bf), z(numel, bf), z(numel, bf), comp=comp, seed=seed)
+
+    @classmethod
+    def adopt(cls, master: Tensor, precision: HostStatePrecision, alloc: Alloc = default_alloc,
+              master16: Optional[Tensor] = None, seed: int = 0) -> "HostAdamState":
+        """A fresh state (zero moments) of the fp32 ``master``, built in the memory ``master`` already
+        holds: bit for bit what ``zeros(n, precision)`` then ``import_fp32(master)`` give, without the
+        second copy (see [Note: adopting the fp32 master]). ``alloc`` is called only for what the
+        layout needs beyond the fp32 buffer. ``master16`` (bf16 layouts): a bf16 buffer of ``n``
+        elements that becomes the master. ``master``'s memory belongs to the state afterwards."""
+        check_precision(precision)
+        if master.dtype != torch.float32 or master.dim() != 1 or not master.is_contiguous():
+            raise ValueError(f"adopt: needs a contiguous 1-D fp32 master, got {master.dtype}{tuple(master.shape)}")
+        n = master.numel()
+        if precision == "fp32":
+            return cls(precision, master, _zeroed(alloc, n, torch.float32), _zeroed(alloc, n, torch.float32), seed=seed)
+        if precision == "int8":
+            return cls(precision, master, _zeroed(alloc, n, torch.uint8), _zeroed(alloc, n, torch.uint8),
+                       exp_avg_scale=_zeroed(alloc, _blocks(n), torch.float32),
+                       exp_avg_sq_scale=_zeroed(alloc, _blocks(n), torch.float32), seed=seed)  # fmt: skip
+        bf = torch.bfloat16
+        comp = _zeroed(alloc, n, bf) if precision == "bf16_kahan" else None
+        words = master.view(bf)  # 2n bf16 words over the fp32 buffer
+        if master16 is not None and (master16.dtype != bf or master16.numel() != n or not master16.is_contiguous()):
+            raise ValueError(f"adopt: master16 must be a contiguous bf16 tensor of {n} elements, got "
+                             f"{master16.dtype}[{master16.numel()}]")
+        high = master16.view(-1) if master16 is not None else words[:n]
+        for lo in range(0, n, _EXPORT_CHUNK):
+            hi = min(n, lo + _EXPORT_CHUNK)
+            m32 = master[lo:hi] if master16 is not None else master[lo:hi].clone()  # in place: read before written
+            high[lo:hi].copy_(m32)
+            if comp is not None:
+                comp[lo:hi].copy_(m32 - high[lo:hi].to(torch.float32))
+        if master16 is not None:  # every fp32 value is read: the buffer becomes the two moments
+            exp_avg, exp_avg_sq = words[:n].zero_(), words[n:].zero_()
+        else:
+            exp_avg, exp_avg_sq = words[n:].zero_(), _zeroed(alloc, n, bf)
+        return cls(precision, high, exp_avg, exp_avg_sq, comp=comp, seed=seed)
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of the state (for byte counts, pinning checks)."""

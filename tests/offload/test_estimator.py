@@ -33,6 +33,10 @@ def test_bytes_per_parameter_on_one_gpu() -> None:
     assert _e("zero3_offload", compute_bytes=4).cpu_bytes == 20 * P  # fp32: masters are uploaded directly
     assert _e("zero2_offload", accumulate=True).cpu_bytes == 20 * P  # + an fp32 accumulator
     assert _e("zero2_offload", delayed_update=True).cpu_bytes == 20 * P  # two gradient and upload buffers
+    # compact host states (6 B/param), built in the fp32 master's memory: no construction peak above these
+    assert _e("zero3_offload", state_bytes=6.0).cpu_bytes == 10 * P  # state 6 + gradient 2 + partition 2
+    assert _e("zero3_offload", state_bytes=6.0, master_in_params=True).cpu_bytes == 8 * P  # bf16 master = partition
+    assert _e("zero2_offload", state_bytes=6.0, master_in_params=True).cpu_bytes == 10 * P  # no host partition there
 
 
 @pytest.mark.parametrize("setting", [s for s in est.SETTINGS if s.stage >= 1])
@@ -95,6 +99,18 @@ def test_cli_picks_an_nvme_fraction_that_fits(capsys: pytest.CaptureFixture[str]
     cli.main(["--params", "10e9", "--gpu-mem-gib", "80", "--host-mem-gib", "120", "--nvme-gib", "60"])
     row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| zero3 optimizer=nvme params=cpu"))
     assert "(nvme_fraction 0.5)" in row and "| yes |" in row
+
+
+def test_cli_compact_states_fit_13b_in_125_gib(capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-13B's 12.85B parameters on one GPU with 125 GiB of host memory: fp32 host states do not fit,
+    bf16 states whose master is the parameter partition (8 B/param) do."""
+    args = ["--params", "12.85e9", "--gpu-mem-gib", "139", "--host-mem-gib", "125", "--nvme-gib", "60"]
+    rows = {}
+    for precision in ("fp32", "bf16_sr"):
+        cli.main(args + ["--state-precision", precision])
+        rows[precision] = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("| zero3_offload |"))
+    assert "| no |" in rows["fp32"] and "191.5 GiB" in rows["fp32"]
+    assert "| yes |" in rows["bf16_sr"] and "95.7 GiB" in rows["bf16_sr"]
 
 
 def test_cli_entry_point() -> None:

@@ -61,6 +61,50 @@ def test_storage_bytes_match_bytes_per_param(precision: str, n: int) -> None:
     assert {"fp32": 12, "bf16_sr": 6, "bf16_kahan": 8, "int8": 6}[precision] <= bytes_per_param(precision) < 12.1
 
 
+def _fields(state: HostAdamState) -> dict[str, Tensor]:
+    names = ("master", "exp_avg", "exp_avg_sq", "comp", "exp_avg_scale", "exp_avg_sq_scale")
+    return {k: getattr(state, k) for k in names if getattr(state, k) is not None}
+
+
+@pytest.mark.parametrize("precision,with_master16", [(p, False) for p in PRECISIONS] + [("bf16_sr", True), ("bf16_kahan", True)])
+@pytest.mark.parametrize("n", [1, 2 * (1 << 20) + 777])  # one element; and three import chunks (in-place overlap)
+def test_adopt_is_zeros_plus_import_built_in_the_masters_memory(precision: str, with_master16: bool, n: int) -> None:
+    """The state built in the fp32 master's memory equals zeros() + import_fp32() bit for bit, and
+    allocates only what the layout needs beyond that memory (the construction peak of the engine).
+    ``master16`` (the 16-bit parameter partition as master) exists for the bf16 layouts only."""
+    master = torch.randn(n, generator=torch.Generator().manual_seed(3)) * 3
+    want = HostAdamState.zeros(n, precision, seed=2)
+    want.import_fp32(master)
+    buffer = master.clone()
+    master16 = torch.full((n,), 5.0, dtype=torch.bfloat16) if with_master16 else None
+    alloc = CountingAlloc()
+    got = HostAdamState.adopt(buffer, precision, alloc, master16=master16, seed=2)
+    assert _fields(got).keys() == _fields(want).keys() and got.seed == want.seed
+    for k, t in _fields(got).items():
+        assert t.dtype == _fields(want)[k].dtype and torch.equal(t, _fields(want)[k]), k
+    fp32_buffer = buffer.untyped_storage().data_ptr()
+    inside = {k for k, t in _fields(got).items() if t.untyped_storage().data_ptr() == fp32_buffer}
+    if precision in ("fp32", "int8"):
+        assert inside == {"master"}
+    else:
+        assert inside == ({"exp_avg", "exp_avg_sq"} if with_master16 else {"master", "exp_avg"})
+    if with_master16:
+        assert got.master.data_ptr() == master16.data_ptr()
+    extra = _storage_bytes(alloc.handed)
+    state_bytes = bytes_per_param(precision) * n
+    expect = state_bytes - 4 * n - (2 * n if with_master16 else 0)
+    assert expect <= extra <= expect + 8, (extra, expect)  # int8: one partial block's two scales
+
+
+def test_adopt_refuses_what_it_cannot_build_in_place() -> None:
+    with pytest.raises(ValueError, match="contiguous 1-D fp32 master"):
+        HostAdamState.adopt(torch.zeros(8, dtype=torch.bfloat16), "bf16_sr")
+    with pytest.raises(ValueError, match="contiguous 1-D fp32 master"):
+        HostAdamState.adopt(torch.zeros(8, 2)[:, 0], "int8")
+    with pytest.raises(ValueError, match="master16 must be a contiguous bf16 tensor of 8"):
+        HostAdamState.adopt(torch.zeros(8), "bf16_sr", master16=torch.zeros(8, dtype=torch.float16))
+
+
 def _trained(precision: str, n: int = 3000, steps: int = 4) -> HostAdamState:
     gen = torch.Generator().manual_seed(1)
     state = HostAdamState.zeros(n, precision, seed=5)
