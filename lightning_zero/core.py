@@ -403,6 +403,7 @@ class ZeroCore(CheckpointMixin):
             self._watchdog.stop()
             self._watchdog.join(timeout=5.0)
             self._watchdog = None
+        C.destroy_groups_at_exit(not self._failed)  # comm/collectives.py [Note: destroy at exit]
         if self._failed:  # after an exception: no collective (a peer may be gone), threads joined, swap removed
             for engine in self._engines.values():
                 engine.abandon()
