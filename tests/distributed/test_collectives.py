@@ -56,6 +56,12 @@ def _exercise(rank: int) -> dict[str, bool]:
             out, torch.cat([full[rank * n:(rank + 1) * n] + r for r in range(WORLD)])
         )
 
+    # uneven: rank j sends j + 1 elements (all equal to j) to every rank
+    out = torch.empty(sum(r + 1 for r in range(WORLD)))
+    C.all_to_all_single(out, torch.full((WORLD * (rank + 1),), float(rank)), [r + 1 for r in range(WORLD)],
+                        [rank + 1] * WORLD, None)
+    ok["all_to_all_single"] = torch.equal(out, torch.cat([torch.full((r + 1,), float(r)) for r in range(WORLD)]))
+
     parts = [torch.empty(n) for _ in range(WORLD)]
     C.all_gather_list(parts, mine, None)
     ok["all_gather_list"] = torch.equal(torch.cat(parts), full)
