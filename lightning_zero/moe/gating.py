@@ -156,10 +156,12 @@ def topk_gating(
         denom = chosen.sum(dim=1, keepdim=True).clamp(min=torch.finfo(chosen.dtype).eps)
         chosen = chosen / denom
 
-    me = gates.mean(dim=0)
-    ce = mask[:, 0].float().mean(dim=0)
+    # Sums over max(tokens, 1): a rank with an empty micro-batch still takes part in the expert-parallel
+    # exchange, and gets a zero auxiliary loss and dropped fraction rather than NaNs.
+    me = gates.sum(dim=0) / max(tokens, 1)
+    ce = mask[:, 0].float().sum(dim=0) / max(tokens, 1)
     aux_loss = (me * ce).sum() * num_experts
-    dropped = (~kept).sum().float() / kept.numel()
+    dropped = (~kept).sum().float() / max(kept.numel(), 1)
     return Routing(experts=experts, slots=slots, kept=kept, weights=chosen, capacity=capacity,
                    num_experts=num_experts, aux_loss=aux_loss, expert_counts=expert_counts.detach(),
                    dropped_fraction=dropped)

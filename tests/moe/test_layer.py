@@ -94,6 +94,18 @@ def test_bad_arguments_fail_clearly(kwargs: dict, message: str) -> None:
         MoE(H, lambda: MLP(H), **args)
 
 
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_empty_input_gives_empty_output_and_finite_stats(top_k: int) -> None:
+    """A rank with no tokens (still part of an expert-parallel exchange) gets zeros, not NaNs."""
+    layer = MoE(H, lambda: MLP(H), num_experts=4, top_k=top_k)
+    x = torch.randn(0, H, requires_grad=True)
+    out = layer(x)
+    (out.sum() + layer.aux_loss).backward()
+    assert out.shape == (0, H) and float(layer.aux_loss.detach()) == 0.0
+    assert float(layer.last_stats.dropped_fraction) == 0.0 and layer.last_stats.expert_counts.sum() == 0
+    assert all(p.grad is not None and not p.grad.any() for p in layer.experts.parameters())
+
+
 def test_module_instead_of_factory_is_copied_per_expert() -> None:
     """DeepSpeed's ``MoE(expert=module)``: independent copies starting from the module's weights."""
     template = MLP(H)
