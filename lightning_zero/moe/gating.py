@@ -108,8 +108,9 @@ def compute_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fac
 
 
 def gumbel_like(logits: Tensor) -> Tensor:
-    """Standard Gumbel noise of ``logits``' shape (``-log`` of an Exp(1) sample, as torch's gumbel_softmax)."""
-    return -torch.empty_like(logits).exponential_().log()
+    """Standard Gumbel noise of ``logits``' shape (``-log`` of an Exp(1) sample, as torch's gumbel_softmax;
+    clamped away from 0, which would make the noise infinite and the choice independent of the logits)."""
+    return -torch.empty_like(logits).exponential_().clamp_min(torch.finfo(logits.dtype).tiny).log()
 
 
 def topk_gating(
