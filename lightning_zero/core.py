@@ -61,6 +61,31 @@ class ZeroCore(CheckpointMixin):
 
     config: ZeroConfig
 
+    # ------------------------------------------------------------------ Lightning plumbing (both doors)
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None  # type: ignore[attr-defined]
+        return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0  # type: ignore[attr-defined]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is sharded by data-parallel rank only: the stages of one pipeline see the same batch."""
+        if self.dims is not None:
+            return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+
     def _init_core(self, stage: int, loss_scale: Optional[Union[LossScaleConfig, dict]], options: dict[str, Any]) -> None:
         """Validate the options (an unknown one is an error naming the valid ones) and start empty.
         Called before the Lightning base's ``__init__``: its precision setter reads ``_loss_scale``."""

@@ -82,32 +82,6 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         this, or the Trainer adds no DistributedSampler and every rank trains on the same data."""
         return True
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Data is sharded by data-parallel rank only: the stages of one pipeline see the same batch."""
-        if self.dims is not None:
-            return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     @property  # type: ignore[override]
     def precision_plugin(self) -> ZeroPrecision:
         plugin = self._precision_plugin

@@ -106,31 +106,6 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
         """The optimizers set up through this strategy, in order."""
         return list(self._optimizers)
 
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        if self.dims is not None:
-            return {"num_replicas": self.dims.dp, "rank": self.dims.dp_rank}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
     @property  # type: ignore[override]
     def precision(self) -> ZeroFabricPrecision:
         plugin = self._precision
