@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -38,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    _note, add_runner_args, child_env, meta as peers_meta, reap_workers, reason_from_tail, run_benchmark, run_child,
+    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once,
 )
 from peers_report import (  # noqa: E402
     Row, Target, _fmt, _versions_line, build_row, meta_record, render_table, render_targets,
@@ -91,30 +90,8 @@ def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str
 
 
 def run_config(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float]) -> None:
-    """One configuration, once; every outcome (skip, failure, timeout) is recorded as a row."""
-    left = None if deadline is None else deadline - time.monotonic()
-    if left is not None and left < args.min_config_s:
-        _note(results, config, 0, kind="error", status="skipped", rank=0,
-              reason=f"out of time budget ({max(0.0, left):.0f} s left)")
-        return
-    timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
-    attempt_file = out_dir / f"{config}.jsonl"
-    attempt_file.unlink(missing_ok=True)
-    attempt_file.with_suffix(".pids").unlink(missing_ok=True)
-    print(f"==> {config} (timeout {timeout:.0f} s)")
-    result = run_child(worker_cmd(args, config, attempt_file), child_env(args, "lightning"),
-                       out_dir / f"{config}.log", timeout, prefix=f"[{config}] ")
-    killed = reap_workers(attempt_file.with_suffix(".pids"), WORKER.name)
-    if killed:
-        print(f"... {config}: killed leftover worker processes {killed}")
-    records = [json.loads(line) for line in attempt_file.read_text().splitlines() if line.strip()] \
-        if attempt_file.is_file() else []
-    with results.open("a") as fh:
-        for r in records:
-            fh.write(json.dumps({**r, "attempt": 0}) + "\n")
-    if not records or result.timed_out:
-        _note(results, config, 0, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
-    print(f"<== {config}: {'ok' if result.returncode == 0 and not result.timed_out else 'failed'} in {result.seconds:.0f} s")
+    run_once(args, config, results, out_dir, deadline, lambda f: worker_cmd(args, config, f),
+             child_env(args, "lightning"), WORKER.name)
 
 
 def meta(args: argparse.Namespace, command: str) -> dict[str, Any]:

@@ -50,10 +50,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,11 +60,11 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    _note, add_runner_args, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
+    _note, add_runner_args, child_env, dist_version, nvidia_smi, run_benchmark, run_once,
 )
 from peers_report import (  # noqa: E402
     GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line,
-    build_row, meta_record, read_records, render_targets,
+    build_row, meta_record, render_targets,
 )
 from presets import (  # noqa: E402
     LORA, LORA_BASELINE, LORA_FSDP_VARIANTS, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset,
@@ -155,31 +153,8 @@ def run_config(args: argparse.Namespace, config: str, results: Path, out_dir: Pa
     if family == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         _note(results, config, 0, kind="error", status="skipped", rank=0, reason="deepspeed is not installed")
         return
-    left = None if deadline is None else deadline - time.monotonic()
-    if left is not None and left < args.min_config_s:
-        _note(results, config, 0, kind="error", status="skipped", rank=0,
-              reason=f"out of time budget ({max(0.0, left):.0f} s left)")
-        return
-    timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
-    attempt_file = out_dir / f"{config}.jsonl"
-    attempt_file.unlink(missing_ok=True)
-    attempt_file.with_suffix(".pids").unlink(missing_ok=True)
-    print(f"==> {config} ({LORA_PRECISION[config]}, timeout {timeout:.0f} s)")
-    result = run_child(worker_cmd(args, config, attempt_file), child_env(args, family),
-                       out_dir / f"{config}.log", timeout, prefix=f"[{config}] ")
-    killed = reap_workers(attempt_file.with_suffix(".pids"), WORKER.name)
-    if killed:
-        print(f"... {config}: killed leftover worker processes {killed}")
-    records = read_records(attempt_file)
-    with results.open("a") as fh:
-        for r in records:
-            fh.write(json.dumps({**r, "attempt": 0}) + "\n")
-    if not records or result.timed_out:
-        _note(results, config, 0, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
-    elif result.returncode not in (0, None) and not any(r.get("kind") == "error" for r in records):
-        _note(results, config, 0, kind="note", note=f"exit code {result.returncode} after recording")
-    ok = result.returncode == 0 and not result.timed_out
-    print(f"<== {config}: {'ok' if ok else 'failed'} in {result.seconds:.0f} s")
+    run_once(args, config, results, out_dir, deadline, lambda f: worker_cmd(args, config, f),
+             child_env(args, family), WORKER.name, label=LORA_PRECISION[config])
 
 
 # ---------------------------------------------------------------------------------------------------- report

@@ -257,6 +257,39 @@ def _note(results: Path, config: str, attempt: int, **fields: object) -> None:
         fh.write(json.dumps({"config": config, "attempt": attempt, **fields}) + "\n")
 
 
+def run_once(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float],
+             cmd: Callable[[Path], list[str]], env: dict[str, str], worker_name: str, label: str = "",
+             stamp_config: bool = False) -> None:
+    """One configuration, once (the benchmarks without peers.py's fused-optimizer retry: compile.py,
+    fabric.py, lora.py); every outcome (skip for lack of time, failure, timeout) is recorded as a row.
+    ``cmd(attempt_file)`` is the worker command; ``stamp_config`` renames the worker's records to
+    ``config`` (a shared worker that names its peer differently)."""
+    left = None if deadline is None else deadline - time.monotonic()
+    if left is not None and left < args.min_config_s:
+        _note(results, config, 0, kind="error", status="skipped", rank=0,
+              reason=f"out of time budget ({max(0.0, left):.0f} s left)")
+        return
+    timeout = args.config_timeout_s if left is None else min(args.config_timeout_s, left)
+    attempt_file = out_dir / f"{config}.jsonl"
+    attempt_file.unlink(missing_ok=True)
+    attempt_file.with_suffix(".pids").unlink(missing_ok=True)
+    print(f"==> {config} ({label + ', ' if label else ''}timeout {timeout:.0f} s)")
+    result = run_child(cmd(attempt_file), env, out_dir / f"{config}.log", timeout, prefix=f"[{config}] ")
+    killed = reap_workers(attempt_file.with_suffix(".pids"), worker_name)
+    if killed:
+        print(f"... {config}: killed leftover worker processes {killed}")
+    records = read_records(attempt_file)
+    with results.open("a") as fh:
+        for r in records:
+            fh.write(json.dumps({**r, **({"config": config} if stamp_config else {}), "attempt": 0}) + "\n")
+    if not records or result.timed_out:
+        _note(results, config, 0, kind="error", status="failed", rank=-1, reason=reason_from_tail(result))
+    elif result.returncode not in (0, None) and not any(r.get("kind") == "error" for r in records):
+        _note(results, config, 0, kind="note", note=f"exit code {result.returncode} after recording")
+    ok = result.returncode == 0 and not result.timed_out
+    print(f"<== {config}: {'ok' if ok else 'failed'} in {result.seconds:.0f} s")
+
+
 def _attempt_failed_on_fused(results: Path, config: str, attempt: int, result: ChildResult) -> bool:
     """Whether the attempt's recorded reasons (or its last exception line) blame the fused optimizer."""
     reasons = [
