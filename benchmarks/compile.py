@@ -40,7 +40,7 @@ from peers import (  # noqa: E402
     add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once,
 )
 from peers_report import (  # noqa: E402
-    Row, Target, _fmt, _versions_line, build_row, meta_record, render_table, render_targets,
+    Row, Target, _fmt, render_gpt_section,
 )
 
 WORKER = HERE / "compile_worker.py"
@@ -123,33 +123,10 @@ def _compile_columns(records: list[dict[str, Any]], rows: list[Row]) -> str:
 
 
 def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] = None) -> str:
-    m = meta_record(records)
-    gpus = int(m.get("gpus", 1))
-    names = configs or m.get("configs") or sorted({r["config"] for r in records if "config" in r})
-    rows = [build_row(records, name, gpus) for name in names]
-    ranks = [r for r in records if r.get("kind") == "rank"]
-    device = next((r["device_name"] for r in ranks), m.get("device_name") or "unknown device")
-    dims = m.get("model", {}).get("dims", {})
-    lines = [
-        f"## {m.get('date', '?')} · torch.compile · {gpus} GPU(s) · {device}",
-        "",
-        f"Workload: {m.get('model', {}).get('name', '?')} ({dims.get('n_layer')} layers × d_model {dims.get('d_model')}, "
-        f"seq {dims.get('seq_len')}), micro-batch {m.get('micro_batch')} per GPU, `bf16-mixed`, torch AdamW(fused=True); "
-        f"{m.get('warmup')} warm-up steps (compilation) + {m.get('steps')} timed; compiled = every block `.compile()`d "
-        "(inductor, default mode); `fsdp` = FULL_SHARD, auto_wrap_policy={Block}, use_orig_params=True.",
-        "",
-        f"Versions: {_versions_line(m, next((r.get('versions') for r in ranks), None))}",
-        "",
-        f"Command: `{m.get('command', '?')}`",
-        "",
-        render_table(rows, m),
-        "",
-        _compile_columns(records, rows),
-    ]
-    targets = render_targets(rows, gpus, TARGETS)
-    if targets:
-        lines += ["", targets]
-    return "\n".join(lines) + "\n"
+    return render_gpt_section(records, configs, "torch.compile",
+        "compiled = every block `.compile()`d (inductor, default mode; the warm-up steps compile); `fsdp` = FULL_SHARD, "
+        "auto_wrap_policy={Block}, use_orig_params=True.",
+        _compile_columns, TARGETS)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -17,7 +17,7 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 GIB = float(2**30)
 
@@ -288,6 +288,40 @@ def check_targets(
             measured = f"{a.peak_mem_gib:.1f} vs {b.peak_mem_gib:.1f} GiB ({ratio:.2f}×)"
             out.append((t, measured, "PASS" if ratio <= t.factor else "FAIL"))
     return out
+
+
+def render_gpt_section(records: list[dict[str, Any]], configs: Optional[list[str]], title: str, workload_tail: str,
+                       extra: Callable[[list[dict[str, Any]], list[Row]], str], targets: Sequence[Target]) -> str:
+    """The RESULTS.md section of a GPT benchmark run through peers.py's harness (compile.py,
+    fabric.py): heading, workload, versions, command, the common table, ``extra(records, rows)``
+    (the benchmark's own table) and the targets. ``workload_tail`` ends the workload line (what was
+    compiled, how the peers were wrapped)."""
+    m = meta_record(records)
+    gpus = int(m.get("gpus", 1))
+    names = configs or m.get("configs") or sorted({r["config"] for r in records if "config" in r})
+    rows = [build_row(records, name, gpus) for name in names]
+    ranks = [r for r in records if r.get("kind") == "rank"]
+    device = next((r["device_name"] for r in ranks), m.get("device_name") or "unknown device")
+    dims = m.get("model", {}).get("dims", {})
+    lines = [
+        f"## {m.get('date', '?')} · {title} · {gpus} GPU(s) · {device}",
+        "",
+        f"Workload: {m.get('model', {}).get('name', '?')} ({dims.get('n_layer')} layers × d_model {dims.get('d_model')}, "
+        f"seq {dims.get('seq_len')}), micro-batch {m.get('micro_batch')} per GPU, `bf16-mixed`, torch AdamW(fused=True); "
+        f"{m.get('warmup')} warm-up + {m.get('steps')} timed steps; {workload_tail}",
+        "",
+        f"Versions: {_versions_line(m, next((r.get('versions') for r in ranks), None))}",
+        "",
+        f"Command: `{m.get('command', '?')}`",
+        "",
+        render_table(rows, m),
+        "",
+        extra(records, rows),
+    ]
+    rendered = render_targets(rows, gpus, targets)
+    if rendered:
+        lines += ["", rendered]
+    return "\n".join(lines) + "\n"
 
 
 def render_targets(rows: list[Row], gpus: int, targets: Sequence[Target] = TARGETS) -> str:
