@@ -22,7 +22,7 @@ import logging
 import shutil
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional, Union
 
 import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
@@ -40,6 +40,8 @@ from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
 from lightning_zero.offload.engines import offload_engine
 from lightning_zero.offload.settings import OffloadSettings
+from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.parallel.validate import check_tensor_parallel
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.zero.buffers import BufferSync
@@ -50,6 +52,9 @@ from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
 from lightning_zero.zero.stage3 import Stage3Engine, guard_released_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +125,12 @@ class ZeroCore(CheckpointMixin):
         reset_seed()
         self._set_world_ranks()
         env = self.cluster_environment  # type: ignore[attr-defined]
-        self.dims = ParallelDims(self.world_size, self.global_rank, pp=self.config.pipeline_stages)  # type: ignore[attr-defined]
+        self.dims = ParallelDims(  # type: ignore[attr-defined]
+            self.world_size, self.global_rank, pp=self.config.pipeline_stages, tp=self.config.tensor_parallel)
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)  # type: ignore[attr-defined]
         if self.world_size > 1 or C.is_initialized():  # type: ignore[attr-defined]
             _init_dist_connection(env, backend, timeout=timedelta(seconds=self.config.timeout_s))
-        self.dims.build_groups(self.config.timeout_s)
+        self.dims.build_groups(self.config.timeout_s, self.root_device.type)  # type: ignore[attr-defined]
         self._setup_checkpointer()
         self._failed = False
         if watchdog and self._watchdog is None:  # failures.py [Note: failing once]
@@ -140,10 +146,20 @@ class ZeroCore(CheckpointMixin):
         env.set_world_size(self._num_nodes * self.num_processes)  # type: ignore[attr-defined]
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
+    @property
+    def device_mesh(self) -> Optional["DeviceMesh"]:
+        """The ``("pp", "dp", "tp")`` DeviceMesh of this job (parallel_dims.py [Note: one mesh]), as
+        Lightning's ``ModelParallelStrategy`` exposes its own; ``configure_model`` applies tensor
+        parallelism with ``self.device_mesh["tp"]``. None before ``setup_environment`` and in a single
+        process without a process group."""
+        return self.dims.mesh if self.dims is not None else None
+
     # ------------------------------------------------------------------ setup
     def _prepare_module(self, module: torch.nn.Module) -> None:
         """On this rank's device (meta parameters stay meta: materialised later, unit by unit), with
         rank 0's weights and buffers; remembers the dtypes the checkpoints restore."""
+        if self.dims is not None and self.dims.tp > 1:
+            check_tensor_parallel(module, self.dims.tp)
         self._place(module)
         self._broadcast_module_states(module)
         self._orig_dtypes = {k: v.dtype for k, v in module.state_dict().items() if torch.is_tensor(v)}
@@ -164,6 +180,7 @@ class ZeroCore(CheckpointMixin):
             for t in list(module.parameters()) + list(module.buffers()):
                 # meta parameters are materialised identically on every rank; released ZeRO-3 ones are
                 # consistent already (their shards are)
+                t = local_tensor(t)  # a DTensor's TP shard: the dp ranks of one tp rank hold the same one
                 if not t.is_meta and t.untyped_storage().nbytes() > 0:
                     C.broadcast(t.data, 0, group)
 
@@ -213,6 +230,7 @@ class ZeroCore(CheckpointMixin):
                 bucket_numel,
                 norm_groups=norm_groups,
                 param_names=names,
+                **({"tp_group": self.dims.tp_group} if self.dims.tp > 1 else {}),
                 **stage_options,
                 **({"frozen_params": frozen} if i == 0 and frozen else {}),
             )

@@ -1,86 +1,111 @@
-"""Data-parallel x pipeline-parallel layout of the ranks, and the process groups that go with it.
+"""Pipeline x data-parallel x tensor-parallel layout of the ranks: one torch ``DeviceMesh``.
 
-Ranks are laid out pipeline-major: ``global_rank = pp_rank * dp + dp_rank`` (torchtitan's order).
-The data-parallel group of a rank holds the ranks of the same pipeline stage (ZeRO partitions
-inside it); the pipeline group holds one rank of every stage with the same ``dp_rank`` (activations
-flow inside it). Groups are created here and nowhere else; an instance owns them (no globals).
+Ranks are laid out pipeline-major, then data parallel, tensor parallel innermost (torchtitan's order):
+``global_rank = (pp_rank * dp + dp_rank) * tp + tp_rank``, so the ranks of one tensor-parallel group
+are contiguous (on one host, where TP's per-layer collectives need the fastest links). The data-parallel
+group of a rank holds the ranks of the same pipeline stage and TP rank (ZeRO partitions inside it); the
+pipeline group holds one rank of every stage with the same ``(dp_rank, tp_rank)`` (activations flow
+inside it); the tensor-parallel group holds the ``tp`` ranks sharing one replica of one stage.
+
+[Note: one mesh]
+Every group the engines use comes from one ``DeviceMesh`` with dims ``("pp", "dp", "tp")`` (size-1
+dims kept, so ``mesh["tp"]`` exists whatever the degrees), the mesh torch's tensor-parallel tools
+(``parallelize_module``, DTensor) take, and the one the LightningModule sees as ``self.device_mesh``
+in ``configure_model``, as under Lightning's ``ModelParallelStrategy``. One exception: ZeRO-3's
+parameter all-gathers need a second group over the data-parallel ranks (stage3.py's [Note: two process
+groups]); a mesh has one group per dim, so that one is created here beside it, with the same ranks.
+Groups are created here and nowhere else; an instance owns them (no globals).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_zero.comm import collectives as C
+
+MESH_DIMS = ("pp", "dp", "tp")
+"""Names of the mesh dims, outermost first."""
 
 
 @dataclass
 class ParallelDims:
-    """Degrees of parallelism and this rank's coordinates; ``build_groups`` creates the groups."""
+    """Degrees of parallelism and this rank's coordinates; ``build_groups`` creates the mesh and groups."""
 
     world_size: int
     global_rank: int
     pp: int = 1
+    tp: int = 1
+    mesh: Optional[Any] = field(default=None, repr=False)
+    """The ``DeviceMesh`` (None in a single process without a default process group)."""
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    tp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     dp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     """Same ranks as ``dp_group``; ZeRO-3's parameter all-gathers run here (stage3.py's
     [Note: two process groups])."""
 
     def __post_init__(self) -> None:
-        if self.pp < 1 or self.world_size % self.pp != 0:
+        for name in ("pp", "tp"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{'pipeline_stages' if name == 'pp' else 'tensor_parallel'} must be an integer >= 1, got {value!r}.")
+        if self.world_size % (self.pp * self.tp) != 0:
             raise ValueError(
-                f"world size {self.world_size} is not divisible by pipeline_stages={self.pp}: "
-                f"world size must equal data-parallel degree x pipeline stages."
+                f"world size {self.world_size} is not divisible by pipeline_stages={self.pp} x tensor_parallel={self.tp} "
+                f"= {self.pp * self.tp}: the world size must equal data-parallel degree x pipeline stages x "
+                "tensor-parallel degree. Change the number of devices or the degrees."
             )
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.pp
+        return self.world_size // (self.pp * self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.global_rank % self.tp
 
     @property
     def dp_rank(self) -> int:
-        return self.global_rank % self.dp
+        return (self.global_rank // self.tp) % self.dp
 
     @property
     def pp_rank(self) -> int:
-        return self.global_rank // self.dp
+        return self.global_rank // (self.dp * self.tp)
 
-    def dp_ranks(self, pp_rank: int) -> list[int]:
-        return [pp_rank * self.dp + i for i in range(self.dp)]
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
-    def pp_ranks(self, dp_rank: int) -> list[int]:
-        return [s * self.dp + dp_rank for s in range(self.pp)]
+    def dp_ranks(self, pp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp)]
 
-    def build_groups(self, timeout_s: Optional[float] = None) -> None:
-        """Create the groups (collective: every rank calls it, in the same order)."""
-        if not C.is_initialized():
+    def pp_ranks(self, dp_rank: int, tp_rank: int = 0) -> list[int]:
+        return [self.rank_of(s, dp_rank, tp_rank) for s in range(self.pp)]
+
+    def build_groups(self, timeout_s: Optional[float] = None, device_type: str = "cpu") -> None:
+        """Create the mesh and the groups (collective: every rank calls it, in the same order); see
+        [Note: one mesh]. ``device_type``: the mesh's ('cuda' under NCCL, 'cpu' under gloo)."""
+        self.mesh = C.init_device_mesh(device_type, (self.pp, self.dp, self.tp), MESH_DIMS)
+        if self.mesh is None:
             return
-        if self.pp == 1:
-            self.dp_group = C.new_group(range(self.world_size), timeout_s)
-            self.dp_param_group = C.new_group(range(self.world_size), timeout_s)
-            self.pp_group = None
-            return
+        self.dp_group = self.mesh["dp"].get_group()
+        self.tp_group = self.mesh["tp"].get_group()
+        self.pp_group = self.mesh["pp"].get_group() if self.pp > 1 else None
         for s in range(self.pp):
-            g = C.new_group(self.dp_ranks(s), timeout_s)
-            if s == self.pp_rank:
-                self.dp_group = g
-        for s in range(self.pp):
-            g = C.new_group(self.dp_ranks(s), timeout_s)
-            if s == self.pp_rank:
-                self.dp_param_group = g
-        for d in range(self.dp):
-            g = C.new_group(self.pp_ranks(d), timeout_s)
-            if d == self.dp_rank:
-                self.pp_group = g
+            for t in range(self.tp):
+                g = C.new_group(self.dp_ranks(s, t), timeout_s)
+                if (s, t) == (self.pp_rank, self.tp_rank):
+                    self.dp_param_group = g
 
     def build_stage_group(self, stages: list[int], timeout_s: Optional[float] = None) -> Optional[C.ProcessGroup]:
-        """Groups over the given pipeline stages, one per data-parallel replica (collective: every rank
-        calls it, in the same order); this rank's group, or None when its stage is not among ``stages``.
-        Tied layers use them (pipeline/tied.py): the copies of one tied module all-reduce their gradients."""
+        """Groups over the given pipeline stages, one per data-parallel x tensor-parallel replica
+        (collective: every rank calls it, in the same order); this rank's group, or None when its stage is
+        not among ``stages``. Tied layers use them (pipeline/tied.py): the copies of one tied module
+        all-reduce their gradients."""
         mine: Optional[C.ProcessGroup] = None
         for d in range(self.dp):
-            group = C.new_group([self.pp_ranks(d)[s] for s in stages], timeout_s)
-            if d == self.dp_rank and self.pp_rank in stages:
-                mine = group
+            for t in range(self.tp):
+                group = C.new_group([self.pp_ranks(d, t)[s] for s in stages], timeout_s)
+                if (d, t) == (self.dp_rank, self.tp_rank) and self.pp_rank in stages:
+                    mine = group
         return mine

@@ -111,6 +111,8 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         super().setup_environment()
         self._setup_zero_environment()
         assert self.dims is not None
+        if self.lightning_module is not None:  # configure_model reads self.device_mesh, as under ModelParallelStrategy
+            self.lightning_module._device_mesh = self.device_mesh
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
         if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
             self._pipeline.place(self.lightning_module)

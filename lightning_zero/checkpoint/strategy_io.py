@@ -96,9 +96,20 @@ class CheckpointMixin:
             self._checkpointer.wait()
 
     # ------------------------------------------------------------------ save
+    def _refuse_tensor_parallel(self) -> None:
+        """Checkpoints of DTensor (tensor-parallel) parameters are not built yet (issue #17, item 5):
+        the formats here key partitions by data-parallel rank and would mix the tp ranks' shards."""
+        dims = self.dims  # type: ignore[attr-defined]
+        if dims is not None and dims.tp > 1:
+            raise NotImplementedError(
+                f"Checkpoints with tensor_parallel={dims.tp} are not built yet (sharded save/load of DTensor "
+                "parameters is issue #17's next part): disable checkpointing (enable_checkpointing=False) for now."
+            )
+
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
+        self._refuse_tensor_parallel()
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         state = module.state_dict()
@@ -121,18 +132,21 @@ class CheckpointMixin:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
         gathered); full format: :meth:`full_state_dict`."""
+        self._refuse_tensor_parallel()
         if self._sharded():
             return ShardedStateDict()
         return self.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        self._refuse_tensor_parallel()
         if self._sharded():
             return ShardedOptimizerState([id(o) for o in self.optimizers].index(id(optimizer)))  # type: ignore[attr-defined]
         return self._full_optimizer_state(optimizer)
 
     def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """torch's per-parameter format, gathered from the partitions (collective)."""
+        self._refuse_tensor_parallel()
         engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
         if engine is None:
             return optimizer.state_dict()
@@ -142,6 +156,7 @@ class CheckpointMixin:
         return pipeline.gather_optimizer_state(state) if pipeline is not None else state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._refuse_tensor_parallel()
         if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
             if storage_options is None and atomic.Path(filepath).is_dir():
                 raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
@@ -175,6 +190,7 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory: its ``meta.pt`` (Lightning's entries) with markers for the weights and
         optimizer states, read later piece by piece; a file: the usual ``torch.load``."""
+        self._refuse_tensor_parallel()
         path = Path(checkpoint_path)
         if atomic.is_sharded_checkpoint(path):
             meta = read_meta(path)

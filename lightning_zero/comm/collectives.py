@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import atexit
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 ProcessGroup = dist.ProcessGroup
 
@@ -100,6 +103,17 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None) -> Option
         return None
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     return dist.new_group(list(ranks), **kwargs)
+
+
+def init_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> Optional["DeviceMesh"]:
+    """torch's DeviceMesh over every rank (collective: every rank calls it, in the same order), its
+    dims named ``names``; ranks laid out row-major over ``shape`` (the last dim innermost). None in a
+    process without a default group (the world of one process: nothing to split)."""
+    if not is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
+
+    return _init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
 def new_gloo_group(timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:

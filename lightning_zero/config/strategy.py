@@ -167,7 +167,14 @@ class ZeroConfig:
     ``dynamic``, ``options``); None uses torch's defaults (inductor)."""
 
     pipeline_stages: int = 1
-    """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages."""
+    """Pipeline-parallel degree; world size = data-parallel degree x pipeline_stages x tensor_parallel."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel degree: each layer's weights are split over this many ranks (contiguous ranks, one
+    host), by torch's own tools: ``configure_model`` calls ``parallelize_module(module,
+    self.device_mesh["tp"], plan)`` (ready plans in :mod:`lightning_zero.parallel`). ZeRO then partitions
+    each rank's TP shard over the data-parallel ranks; world size = data-parallel degree x
+    pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-2 for now."""
 
     microbatches: int = 4
     """Pipeline only: each batch is cut into this many equal micro-batches that flow through the stages
@@ -224,6 +231,7 @@ class ZeroConfig:
         if not (isinstance(self.pipeline_stages, int) and self.pipeline_stages >= 1):
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._validate_pipeline()
+        self._validate_tensor_parallel()
         self._validate_offload()
         self._validate_compile()
         if self.process_group_backend not in (None, "nccl", "gloo"):
@@ -254,6 +262,23 @@ class ZeroConfig:
                 raise ValueError(f"compile_options has unknown torch.compile argument(s) {bad}; valid: {sorted(COMPILE_ARGS)}.")
             if not self.compile:
                 raise ValueError("compile_options is set but compile is False: set compile=True too.")
+
+    def _validate_tensor_parallel(self) -> None:
+        """What tensor parallelism is not built with yet fails here, saying so (issue #17)."""
+        tp = self.tensor_parallel
+        if isinstance(tp, bool) or not (isinstance(tp, int) and tp >= 1):
+            raise ValueError(f"tensor_parallel must be an integer >= 1, got {tp!r}.")
+        if tp == 1:
+            return
+        if self.stage == 3:
+            raise ValueError(
+                f"tensor_parallel={tp} with ZeRO stage 3 is not built yet: use stage 0, 1 or 2 (which partition "
+                "optimizer states and gradients of each rank's TP shard over the data-parallel ranks)."
+            )
+        if self.offloads:
+            raise ValueError(f"tensor_parallel={tp} with offload_optimizer/offload_params is not built yet.")
+        if self.pipeline_stages > 1:
+            raise ValueError(f"tensor_parallel={tp} with pipeline_stages={self.pipeline_stages} is not built yet.")
 
     def _validate_pipeline(self) -> None:
         if not (isinstance(self.microbatches, int) and self.microbatches >= 1):

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.parallel.dtensor import grad_like, is_tp_sharded, local_grad, local_tensor
 from lightning_zero.zero.flat_group import FlatParamGroup
 from lightning_zero.zero.loss_scaler import DynamicLossScaler
 from lightning_zero.zero.partition import build_layout
@@ -85,8 +86,11 @@ class ZeroEngine:
         bucket_numel: int,
         norm_groups: Sequence[Optional[C.ProcessGroup]] = (),
         param_names: Optional[dict[int, str]] = None,
+        tp_group: Optional[C.ProcessGroup] = None,
         **stage_options: object,
     ) -> None:
+        """``tp_group``: the tensor-parallel group when DTensor parameters are TP-sharded (the gradient
+        norm sums their squares over it; see [Note: gradient norm under tensor parallelism])."""
         check_wrappable(optimizer, self.stage)
         self.optimizer = optimizer
         self.dp_group = dp_group
@@ -105,7 +109,10 @@ class ZeroEngine:
         self.original_params: list[list[Parameter]] = []
         """Each param group's parameters as the user gave them (torch's state-dict numbering)."""
         self.stage_options = stage_options
+        self.tp_group = tp_group
+        self.tp_size = C.world_size(tp_group) if tp_group is not None else 1
         self._build_groups(bucket_numel)
+        self._replicated = [self._replicated_ranges(fg) for fg in self.groups] if self.tp_size > 1 else []
         optimizer.state.clear()
         self.launch_order: list[tuple[int, int]] = [
             (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
@@ -142,7 +149,7 @@ class ZeroEngine:
         num_shards = self.dp_size if self.stage >= 1 else 1
         shard = self.dp_rank if self.stage >= 1 else 0
         for pg, params in zip(self.optimizer.param_groups, self._trainable_groups()):
-            layout = build_layout([p.numel() for p in params], num_shards, bucket_numel, align=8)
+            layout = build_layout([local_tensor(p).numel() for p in params], num_shards, bucket_numel, align=8)
             fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device, **self._group_kwargs())
             if hasattr(self.optimizer, "bind_flat_params"):  # tensor boundaries for per-tensor math (1-bit LAMB)
                 self.optimizer.bind_flat_params(fg.master, [(s.offset, s.numel) for s in layout.slots], num_shards > 1)
@@ -160,9 +167,11 @@ class ZeroEngine:
         """Make sure the gradient lives in the flat buffer (user code may have replaced ``.grad``)."""
         fg = self.groups[gi]
         view = fg.param_view(si, fg.flat_grad)
-        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
-            view.add_(param.grad)
-        param.grad = view
+        grad = local_grad(param, param.grad) if param.grad is not None else None
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.add_(grad)
+        if grad is None or grad.data_ptr() != view.data_ptr():
+            param.grad = grad_like(param, view)
 
     def _launch(self, gi: int, bi: int) -> _Pending:
         fg = self.groups[gi]
@@ -300,13 +309,36 @@ class ZeroEngine:
                     p.grad.detach_().zero_()
 
     # ---------------------------------------------------------------- the step
+    # [Note: gradient norm under tensor parallelism]
+    # Under TP a rank's flat gradients hold two kinds of elements: pieces of TP-sharded parameters
+    # (each tp rank a different piece: their squares must be summed over tp) and replicated parameters
+    # (the same values on every tp rank: counted once). Weighting the replicated elements' squares by
+    # 1/tp and summing over the tp group does both in the one scalar all-reduce the other dims use.
+    def _replicated_ranges(self, fg: FlatParamGroup) -> list[tuple[int, int]]:
+        """[start, end) ranges of replicated parameters' elements in ``fg``'s step gradients (the full
+        flat buffer at stage 0, this rank's shard above), merged where adjacent."""
+        shard = fg.shard if fg.layout.num_shards > 1 else 0
+        ranges: list[tuple[int, int]] = []
+        for index, _, start, length in sorted(fg.layout.param_pieces_in_shard(shard), key=lambda t: t[2]):
+            if is_tp_sharded(fg.params[index]):
+                continue
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], start + length)
+            else:
+                ranges.append((start, start + length))
+        return ranges
+
     def global_grad_norm_sq(self, grads: Sequence[Tensor]) -> Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
+        for gi, g in enumerate(grads):
             if g.numel():
                 sq += g.float().pow(2).sum()
+            if self.tp_size > 1:  # [Note: gradient norm under tensor parallelism]
+                for a, b in self._replicated[gi]:
+                    sq -= (1.0 - 1.0 / self.tp_size) * g[a:b].float().pow(2).sum()
         local = not self.reduce_gradients  # un-averaged local gradients: use the mean of the ranks' squares
         groups = ([self.dp_group] if self._grads_are_sharded or local else []) + self.norm_groups
+        groups += [self.tp_group] if self.tp_size > 1 else []
         for grp in groups:
             C.all_reduce(sq, grp, "sum")
         return sq / self.dp_size if local else sq

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.parallel.dtensor import grad_like, local_tensor
 from lightning_zero.zero.partition import FlatLayout
 
 BufferFactory = Callable[[int, torch.dtype], Tensor]
@@ -37,7 +38,7 @@ class ShardViews:
     def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
         """Parameter ``slot_index``'s piece of a flat buffer that starts at flat offset ``base``."""
         slot = self.layout.slots[slot_index]
-        p = self.params[slot.index]
+        p = local_tensor(self.params[slot.index])  # a DTensor's local TP shard (parallel/dtensor.py)
         return buffer[slot.offset - base : slot.offset - base + slot.numel].view(p.shape)
 
     def master_chunk(self, bucket_index: int) -> Tensor:
@@ -80,11 +81,11 @@ class FlatParamGroup(ShardViews):
             self.master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
         # master first, from the original (full precision) values, then the 16-bit copy.
         for index, start, shard_start, length in layout.param_pieces_in_shard(shard if layout.num_shards > 1 else 0):
-            src = params[index].detach().reshape(-1)[start : start + length]
+            src = local_tensor(params[index]).detach().reshape(-1)[start : start + length]
             if not self.shares_master:
                 self.master[shard_start : shard_start + length].copy_(src)
         for slot in layout.slots:
-            p = params[slot.index]
+            p = local_tensor(params[slot.index])  # parallel/dtensor.py [Note: ZeRO sees the local TP shard]
             view = self.flat_param[slot.offset : slot.offset + slot.numel].view(p.shape)
             view.copy_(p.detach())
             p.data = view
@@ -103,5 +104,6 @@ class FlatParamGroup(ShardViews):
         """Allocate the full gradient buffer and point every ``param.grad`` at its view."""
         self.flat_grad = torch.zeros(self.layout.total, dtype=dtype, device=self.device)
         for i in range(len(self.layout.slots)):
-            self.params[self.layout.slots[i].index].grad = self.param_view(i, self.flat_grad)
+            p = self.params[self.layout.slots[i].index]
+            p.grad = grad_like(p, self.param_view(i, self.flat_grad))
 

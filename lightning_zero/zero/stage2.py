@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_zero.parallel.dtensor import local_grad
 from lightning_zero.zero.engine import _Pending
 from lightning_zero.zero.stage1 import Stage1Engine
 
@@ -37,7 +38,7 @@ class Stage2Engine(Stage1Engine):
         slot = fg.layout.slots[si]
         b = fg.layout.buckets[slot.bucket]
         if param.grad is not None:
-            fg.param_view(si, self._staging_for(gi, slot.bucket), base=b.start).add_(param.grad)
+            fg.param_view(si, self._staging_for(gi, slot.bucket), base=b.start).add_(local_grad(param, param.grad))
             param.grad = None
 
     def _launch(self, gi: int, bi: int) -> _Pending:

@@ -1,0 +1,51 @@
+"""What the ZeRO engines need to know about DTensor parameters (tensor parallelism): their local shard.
+
+[Note: ZeRO sees the local TP shard]
+After ``parallelize_module`` a tensor-parallel layer's parameters are ``DTensor``s: a global shape, a
+placement on the ``tp`` mesh dim, and each rank's piece in ``_local_tensor``. The engines flatten,
+partition and reduce only that piece, over the data-parallel group: the ranks of one dp group hold
+the same TP shard (the same ``tp_rank``), so its gradient is summed over dp exactly as a plain
+parameter's. The piece's storage becomes a view into the flat buffer by ``local.data = view`` (the
+DTensor keeps its identity, shape and placements; every op unwraps ``_local_tensor`` afresh), and a
+gradient handed back to the user is a DTensor wrapping a view of the flat gradient buffer, so autograd
+accumulates into that buffer in place. Parameters that are not DTensors (embeddings, norms outside the
+plan) and DTensors replicated over tp get identical gradients on every tp rank after TP's own
+collectives; only the gradient norm must tell the two kinds apart (:func:`is_tp_sharded`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The rank's own storage of ``t``: the local shard of a DTensor, ``t`` itself otherwise. Setting
+    ``.data`` of what this returns re-points the DTensor's local piece (see the note)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_tp_sharded(t: Tensor) -> bool:
+    """Whether each tensor-parallel rank holds a different piece of ``t`` (a DTensor with a Shard
+    placement); replicated tensors hold the same values on every tp rank."""
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+
+
+def local_grad(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad``'s piece matching ``param``'s local shard (a gradient DTensor whose placements differ from
+    its parameter's is redistributed first: a collective over the parameter's mesh)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    if isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad._local_tensor
+
+
+def grad_like(param: Tensor, local: Tensor) -> Tensor:
+    """A gradient for ``param`` that is ``local`` (a view into a flat buffer): ``local`` itself for a
+    plain parameter, a DTensor wrapping it for a DTensor parameter (no copy)."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

@@ -1,0 +1,71 @@
+"""Tensor-parallel bad input fails before training with one clear error (no processes needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.config import ZeroConfig
+from lightning_zero.parallel import check_plan, check_tensor_parallel, tp_plan_gpt, tp_plan_llama
+from lightning_zero.parallel_dims import ParallelDims
+
+
+def _llama(heads: int = 4, kv: int = 2) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=8 * heads, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=8)
+    return LlamaForCausalLM(cfg)
+
+
+def test_sizes_that_do_not_divide_the_world() -> None:
+    with pytest.raises(ValueError, match="not divisible by pipeline_stages=1 x tensor_parallel=3"):
+        ParallelDims(world_size=4, global_rank=0, tp=3)
+    with pytest.raises(ValueError, match="tensor_parallel must be an integer >= 1"):
+        ZeroConfig(tensor_parallel=0)
+
+
+def test_rank_layout_is_pipeline_major_tp_innermost() -> None:
+    dims = [ParallelDims(world_size=8, global_rank=r, pp=2, tp=2) for r in range(8)]
+    assert [(d.pp_rank, d.dp_rank, d.tp_rank) for d in dims[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert dims[0].dp_ranks(0, 1) == [1, 3] and dims[0].pp_ranks(1, 0) == [2, 6]
+
+
+@pytest.mark.parametrize("options,what", [
+    ({"stage": 3}, "stage 3"), ({"stage": 2, "offload_optimizer": "cpu"}, "offload"),
+    ({"stage": 1, "pipeline_stages": 2}, "pipeline_stages"),
+])
+def test_not_built_yet_is_refused(options: dict, what: str) -> None:
+    with pytest.raises(ValueError, match=f"tensor_parallel=2 with .*{what}.*not built yet"):
+        ZeroStrategy(tensor_parallel=2, **options)
+
+
+def test_plan_naming_missing_modules() -> None:
+    model = _llama()
+    with pytest.raises(ValueError, match=r"do not exist.*model\.layers\.7\.self_attn\.q_proj"):
+        check_plan(model, {"model.layers.7.self_attn.q_proj": ColwiseParallel()})
+    check_plan(model, {"model.layers.*.self_attn.q_proj": ColwiseParallel()})  # wildcards as parallelize_module
+
+
+def test_heads_not_divisible_by_tp() -> None:
+    with pytest.raises(ValueError, match="num_key_value_heads.*not divisible by tensor_parallel=2"):
+        tp_plan_llama(_llama(heads=4, kv=1), 2)
+    with pytest.raises(ValueError, match="num_attention_heads.*not divisible by tensor_parallel=3"):
+        tp_plan_llama(_llama(heads=4, kv=4), 3)
+    assert len(tp_plan_llama(_llama(), 2)) == 7
+
+
+def test_gpt_plan_names_exist_and_model_without_blocks_is_refused() -> None:
+    from examples.gpt import GPT, GPTConfig
+
+    plan = tp_plan_gpt(GPT(GPTConfig(vocab_size=16, n_layer=2, n_head=2, d_model=8, seq_len=8)), 2)
+    assert sorted(plan) == ["blocks.0.mlp.fc", "blocks.0.mlp.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj"]
+    with pytest.raises(ValueError, match="no decoder layers"):
+        tp_plan_llama(torch.nn.Linear(2, 2), 2)
+
+
+def test_unparallelized_model_under_tensor_parallel() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel=2 but the module has no tensor-parallel"):
+        check_tensor_parallel(torch.nn.Linear(2, 2), 2)

@@ -1,0 +1,181 @@
+"""Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
+
+Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+``zeroK:tp=T,model=llama|gpt`` (a Trainer fit under ZeroStrategy(stage=K, tensor_parallel=T), the
+LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model) or
+``ref:model=llama|gpt`` (rank 0 only: the same model, data, AdamW and clipping in a plain torch loop on
+one process, the oracle). Rank 0 writes ``OUT/NAME.pt``: per-step global losses, final full weights,
+and per-rank optimizer-state bytes with the numbers they are checked against.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.filterwarnings("ignore")
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_zero  # noqa: E402
+from lightning_zero.comm import collectives as C  # noqa: E402
+from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
+from tests.helpers.memory import storage_bytes  # noqa: E402
+
+STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
+
+
+def build(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
+        return LlamaForCausalLM(cfg)
+    from examples.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, seq_len=SEQ, tie_weights=False))
+
+
+def loss_of(kind: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if kind == "llama":
+        return model(input_ids=x, labels=x).loss
+    from examples.gpt import lm_loss
+
+    return lm_loss(model(x[:, :-1]), x[:, 1:])
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=g)
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value (DTensors gathered over tp: collective)."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = t.detach().clone().cpu()
+    return out
+
+
+class TPModule(pl.LightningModule):
+    """The model built in configure_model and parallelized there, as under ModelParallelStrategy."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.model: torch.nn.Module | None = None
+        self.losses: list[float] = []
+        self.mesh_seen: tuple | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        model = build(self.kind)
+        mesh = self.device_mesh
+        self.mesh_seen = (tuple(mesh.mesh_dim_names), tuple(mesh.shape))
+        tp = mesh["tp"]
+        if tp.size() > 1:
+            plan = tp_plan_llama(model, tp) if self.kind == "llama" else tp_plan_gpt(model, tp)
+            parallelize_module(model, tp, plan)
+        self.model = model
+
+    def training_step(self, batch, batch_idx):
+        loss = loss_of(self.kind, self.model, batch[0])
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+    def train_dataloader(self):
+        dims = self.trainer.strategy.dims  # data sharded by dp rank only: the tp ranks of a replica share it
+        return DataLoader(TensorDataset(tokens()[dims.dp_rank :: dims.dp]), batch_size=BATCH // dims.dp, shuffle=False)
+
+
+def run_zero(stage: int, opts: dict[str, str]) -> dict:
+    kind = opts.get("model", "llama")
+    tp = int(opts.get("tp", "2"))
+    module = TPModule(kind)
+    strategy = lightning_zero.ZeroStrategy(stage=stage, tensor_parallel=tp, bucket_size_mb=0.002)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
+        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, precision="32-true", use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    refused = ""
+    try:
+        trainer.save_checkpoint(os.path.join(os.environ.get("TMPDIR", "/tmp"), "never_written.ckpt"))
+    except NotImplementedError as err:
+        refused = str(err)
+    engine = strategy.engines[0]
+    opt = trainer.optimizers[0]
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+    local_numel = sum(p._local_tensor.numel() if isinstance(p, DTensor) else p.numel() for p in module.model.parameters())
+    mine = {
+        "state_bytes": storage_bytes(state),
+        "shard_numel": sum(fg.layout.shard_numel for fg in engine.groups),
+        "buckets": sum(len(fg.layout.buckets) for fg in engine.groups),
+        "local_numel": local_numel,
+        "full_numel": sum(p.numel() for p in module.model.parameters()),
+        "dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
+        "dp": strategy.dims.dp, "tp": strategy.dims.tp, "tp_rank": strategy.dims.tp_rank, "dp_rank": strategy.dims.dp_rank,
+        "losses": list(module.losses),
+        "mesh_seen": module.mesh_seen,
+        "strategy_mesh": tuple(strategy.device_mesh.shape),
+        "grad_norm": strategy.grad_norm,
+        "checkpoint_refused": refused,
+    }
+    per_rank = C.all_gather_object(mine, None)
+    return {"losses": list(module.losses), "weights": full_weights(module.model), "per_rank": per_rank}
+
+
+def run_ref(opts: dict[str, str]) -> dict:
+    kind = opts.get("model", "llama")
+    model = build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    data = tokens()
+    losses = []
+    for k in range(STEPS):
+        loss = loss_of(kind, model, data[k * BATCH:(k + 1) * BATCH])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    results = {}
+    refs = []
+    for arg in sys.argv[2:]:
+        name, spec = arg.split("=", 1)
+        kind, _, rest = spec.partition(":")
+        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+        if kind == "ref":
+            refs.append((name, opts))
+            continue
+        pl.seed_everything(0)
+        results[name] = run_zero(int(kind[-1]), opts)
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        for name, opts in refs:  # the oracle: one process, no strategy
+            results[name] = run_ref(opts)
+        for name, res in results.items():
+            torch.save(res, os.path.join(out, f"{name}.pt"))
+
+
+if __name__ == "__main__":
+    main()
