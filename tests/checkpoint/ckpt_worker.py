@@ -62,6 +62,7 @@ import lightning_zero  # noqa: E402
 from tests.checkpoint.models import MODELS  # noqa: E402
 from tests.helpers.dist_worker import offload_kwargs  # noqa: E402
 from tests.helpers.memory import NewStorageTracker  # noqa: E402
+from tests.helpers.worker_io import save_atomic  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 60
 BUCKET_MB = 0.01
@@ -370,7 +371,7 @@ def main() -> None:
             dist.init_process_group("gloo", timeout=timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S + 60))
         result.update({"name": step["name"], "rank": rank(), "world": world(),
                        "seconds": time.perf_counter() - started})
-        torch.save(result, os.path.join(out, f"{step['name']}.rank{rank()}.pt"))
+        save_atomic(result, os.path.join(out, f"{step['name']}.rank{rank()}.pt"))
         print(f"[ckpt rank {rank()}] {step['name']}: {'FAILED' if result['error'] else 'ok'} "
               f"({result['seconds']:.1f}s)", file=sys.stderr, flush=True)
         _barrier_or_exit()  # every rank, failed or not (a rank may fail alone, e.g. rank 0 consolidating)

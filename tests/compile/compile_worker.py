@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from gpt import GPTConfig, GPTModule  # noqa: E402
+from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 
 VOCAB, SEQ, N_LAYER = 64, 16, 3
 
@@ -138,19 +139,8 @@ def run(name: str, spec: str, out: str) -> None:
                                            "already_compiled": plan.already_compiled},
         "units": [u.name for u in trainer.strategy.engines[0].units[1:]] if kind == "zero3" else [],
     }
-    gathered: list[Any] = [None] * int(os.environ["WORLD_SIZE"])
-    torch.distributed.all_gather_object(gathered, {"losses": model.losses, "graph_runs": model.graph_runs})
-    if trainer.global_rank == 0:
-        result["per_rank"] = gathered
-        torch.save(result, os.path.join(out, f"{name}.pt"))
-
-
-def main() -> None:
-    out = sys.argv[1]
-    for item in sys.argv[2:]:
-        name, _, spec = item.partition("=")
-        run(name, spec, out)
+    save_result(result, {"losses": model.losses, "graph_runs": model.graph_runs}, out, name)
 
 
 if __name__ == "__main__":
-    main()
+    run_specs(run)

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import lightning_zero  # noqa: E402
 from tests.helpers.dist_worker import parse  # noqa: E402
 from tests.helpers.parity_model import DIM, VOCAB, Block, RandomTokens  # noqa: E402
+from tests.helpers.worker_io import save_atomic  # noqa: E402
 
 GLOBAL = 12
 """Samples per micro-batch over all ranks (divisible by 2 and 3)."""
@@ -202,7 +203,7 @@ def main() -> None:
                 opts[key] = os.path.join(out, opts[key])
         result = trainer_run(kind[len("trainer-"):], opts) if kind.startswith("trainer-") else fabric_run(name, kind, opts, out)
         if int(os.environ["RANK"]) == 0:
-            torch.save(result, os.path.join(out, f"{name}.pt"))
+            save_atomic(result, os.path.join(out, f"{name}.pt"))
         torch.distributed.barrier()
 
 

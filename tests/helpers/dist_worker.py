@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 import lightning_zero  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.helpers.parity_model import ParityNet  # noqa: E402
+from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 
 
 def parse(spec: str) -> tuple[str, dict[str, str]]:
@@ -214,20 +215,9 @@ def run(name: str, spec: str, out: str) -> None:
         "eager_steps": [getattr(e, "eager_steps", None) for e in trainer.strategy.engines] if kind != "ddp" else [],
         "nvme_left": sorted(str(p.relative_to(opts["nvme"])) for p in Path(opts["nvme"]).rglob("*")) if "nvme" in opts else [],
     }
-    gathered = [None] * int(os.environ["WORLD_SIZE"])
     keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units")
-    torch.distributed.all_gather_object(gathered, {k: result[k] for k in keys})
-    if trainer.global_rank == 0:
-        result["per_rank"] = gathered
-        torch.save(result, os.path.join(out, f"{name}.pt"))
-
-
-def main() -> None:
-    out = sys.argv[1]
-    for item in sys.argv[2:]:
-        name, _, spec = item.partition("=")
-        run(name, spec, out)
+    save_result(result, {k: result[k] for k in keys}, out, name)
 
 
 if __name__ == "__main__":
-    main()
+    run_specs(run)

@@ -26,6 +26,7 @@ from torch import nn  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from lightning_zero.pipeline import LayerSpec, PipelineModule  # noqa: E402
+from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens, token_loss  # noqa: E402
 
 
@@ -108,24 +109,9 @@ def run(name: str, spec: str, out: str) -> None:
             layout = {**opts, "stages": opts.get("resume_stages", opts.get("stages", "2"))}  # another layout
             make_trainer(layout, steps, []).fit(again, ckpt_path=os.path.join(ckpt_dir, first))
             result["resumed_losses"] = list(again.losses)
-    world = int(os.environ["WORLD_SIZE"])
-    gathered: list = [None] * world
-    torch.distributed.all_gather_object(
-        gathered,
-        {k: result.get(k) for k in ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict",
-                                    "resumed_losses")},
-    )
-    if int(os.environ["RANK"]) == 0:
-        result["per_rank"] = gathered
-        torch.save(result, os.path.join(out, f"{name}.pt"))
-
-
-def main() -> None:
-    out = sys.argv[1]
-    for item in sys.argv[2:]:
-        name, _, spec = item.partition("=")
-        run(name, spec, out)
+    keys = ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict", "resumed_losses")
+    save_result(result, {k: result.get(k) for k in keys}, out, name)
 
 
 if __name__ == "__main__":
-    main()
+    run_specs(run)

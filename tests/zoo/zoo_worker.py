@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
+from tests.helpers.worker_io import save_atomic  # noqa: E402
 from tests.zoo.models import STEPS, ZooModule, build, describe  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 90
@@ -223,7 +224,7 @@ def run(out: str, model_name: str, spec: str) -> None:
             "zero_gradient_names": list(getattr(model, "zero_gradient_names", list)()),
             **sizes,
         }
-        torch.save(result, os.path.join(out, f"{model_name}_{spec}.pt"))
+        save_atomic(result, os.path.join(out, f"{model_name}_{spec}.pt"))
     del trainer
 
 
