@@ -1,4 +1,4 @@
-"""Tensor parallel x ZeRO (stages 1, 2) against one process without any parallelism (CPU, gloo, fp32).
+"""Tensor parallel x ZeRO (stages 0, 1, 2) against one process without any parallelism (CPU, gloo, fp32).
 
 HF ``LlamaForCausalLM`` from a tiny config (4 heads, 2 KV heads, 2 layers) and the example GPT, each
 parallelized in ``configure_model`` with the ready plans over ``self.device_mesh["tp"]``; fixed global
@@ -44,7 +44,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    runs = {"zero1": "zero1:tp=2,model=llama", "gpt2": "zero2:tp=2,model=gpt",
+    runs = {"zero0": "zero0:tp=2,model=llama", "zero1": "zero1:tp=2,model=llama", "gpt2": "zero2:tp=2,model=gpt",
             "ref": "ref:model=llama", "ref_gpt": "ref:model=gpt"}
     return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, script=WORKER)
 
@@ -58,7 +58,7 @@ def test_dp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], stage: str) 
     assert got["per_rank"][0]["grad_norm"] > 0.05  # clipping was active
 
 
-@pytest.mark.parametrize("name,ref", [("zero1", "ref"), ("gpt2", "ref_gpt")])
+@pytest.mark.parametrize("name,ref", [("zero0", "ref"), ("zero1", "ref"), ("gpt2", "ref_gpt")])
 def test_tp2_on_two_ranks_matches_one_process(two_ranks: dict[str, dict], name: str, ref: str) -> None:
     _check_parity(two_ranks[name], two_ranks[ref])
 
