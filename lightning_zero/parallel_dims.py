@@ -85,7 +85,7 @@ class ParallelDims:
     def build_groups(self, timeout_s: Optional[float] = None, device_type: str = "cpu") -> None:
         """Create the mesh and the groups (collective: every rank calls it, in the same order); see
         [Note: one mesh]. ``device_type``: the mesh's ('cuda' under NCCL, 'cpu' under gloo)."""
-        self.mesh = C.init_device_mesh(device_type, (self.pp, self.dp, self.tp), MESH_DIMS)
+        self.mesh = C.init_device_mesh(device_type, (self.pp, self.dp, self.tp), MESH_DIMS, timeout_s)
         if self.mesh is None:
             return
         self.dp_group = self.mesh["dp"].get_group()

@@ -105,15 +105,36 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None) -> Option
     return dist.new_group(list(ranks), **kwargs)
 
 
-def init_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> Optional["DeviceMesh"]:
+def init_device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str],
+                     timeout_s: Optional[float] = None) -> Optional["DeviceMesh"]:
     """torch's DeviceMesh over every rank (collective: every rank calls it, in the same order), its
     dims named ``names``; ranks laid out row-major over ``shape`` (the last dim innermost). None in a
-    process without a default group (the world of one process: nothing to split)."""
+    process without a default group (the world of one process: nothing to split). ``timeout_s``:
+    the groups the mesh creates get it (``init_device_mesh`` has no timeout argument: it goes in
+    through the backend options; a dim spanning the world reuses the default group and its timeout)."""
     if not is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh as _init_device_mesh
 
-    return _init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
+    override = None
+    if timeout_s:
+        backend = str(dist.get_backend())
+        options = _backend_options(backend, timeout_s)
+        if options is not None:
+            override = {name: (backend, options) for name in names}
+    return _init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names), backend_override=override)
+
+
+def _backend_options(backend: str, timeout_s: float) -> Optional[object]:
+    """The process-group options of ``backend`` carrying ``timeout_s`` (None for other backends)."""
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
+        options = dist.ProcessGroupNCCL.Options()
+    else:
+        return None
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
 
 
 def new_gloo_group(timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:
