@@ -38,12 +38,22 @@ PARTIAL = {  # offload_ratio: the leading share of each partition on the host, t
     "zero2_nvme_ratio_half": "zero2:oopt=nvme,nvme=1,chunk_mb=0.004,ratio=0.5",
     "zero3_nvme_ratio_half": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004,ratio=0.5",
 }
+MASTER_IN_PARAMS = {
+    # bf16 compute, bf16 host states: with the parameters on the host the master is their partition
+    "zero3_bf16_sr_master_in_params": "zero3:oopt=cpu,oparams=cpu,hsp=bf16_sr,precision=bf16-mixed",
+    "zero3_bf16_kahan_master_in_params": "zero3:oopt=cpu,oparams=cpu,hsp=bf16_kahan,precision=bf16-mixed",
+    # ... and a separate master where the parameters stay on the device
+    "zero3_bf16_sr_own_master": "zero3:oopt=cpu,hsp=bf16_sr,precision=bf16-mixed",
+    "zero3_bf16_kahan_own_master": "zero3:oopt=cpu,hsp=bf16_kahan,precision=bf16-mixed",
+    "zero3_bf16_sr_master_in_params_resume":
+        "zero3:oopt=cpu,oparams=cpu,hsp=bf16_sr,precision=bf16-mixed,n_train=160,steps=20,resume=1",
+}
 SGD = {"zero2_offload_sgd": "zero2:oopt=cpu,opt=sgd", "zero3_offload_nvme_sgd": "zero3:oopt=nvme,oparams=nvme,nvme=1,opt=sgd"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    specs = {"ddp": "ddp", "ddp_sgd": "ddp:opt=sgd", "ddp_noclip": "ddp:clip=0,accumulate=1", **PARITY, **SGD,
+    specs = {"ddp": "ddp", "ddp_sgd": "ddp:opt=sgd", "ddp_bf16": "ddp:precision=bf16-mixed", "ddp_noclip": "ddp:clip=0,accumulate=1", **PARITY, **SGD,
              **STEP_IN_BACKWARD, **PARTIAL,
              "zero2_ratio_one": "zero2:oopt=cpu,ratio=1",
              "zero2_ratio_half_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1,ratio=0.5",
@@ -51,6 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              "zero2_bf16_sr": "zero2:oopt=cpu,hsp=bf16_sr",
              "zero3_int8": "zero3:oopt=cpu,oparams=cpu,hsp=int8",
              "zero2_bf16_sr_resume": "zero2:oopt=cpu,hsp=bf16_sr,n_train=160,steps=20,resume=1",
+             **MASTER_IN_PARAMS,
              "zero3_dpu": "zero3:oopt=cpu,oparams=cpu,dpu=3",
              "zero3_nvme_resume": "zero3:oopt=nvme,oparams=nvme,nvme=1,chunk_mb=0.004,n_train=160,steps=20,resume=1"}
     return run_worker(tmp_path_factory.mktemp("offload"), 2, specs, timeout=1200)
@@ -122,6 +133,22 @@ def test_compact_host_states_follow_ddp(runs: dict[str, dict], name: str) -> Non
 def test_compact_host_state_checkpoint_resume(runs: dict[str, dict]) -> None:
     """bf16_sr exports exactly to fp32 and back; the step count keeps the stochastic-rounding bits in sync."""
     run = runs["zero2_bf16_sr_resume"]
+    assert _rel(run["resumed_losses"], run["losses"][-20:]) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["bf16_sr", "bf16_kahan"])
+def test_master_in_the_parameter_partition_changes_nothing(runs: dict[str, dict], layout: str) -> None:
+    """A bf16 layout's master kept in the host parameter partition (one copy, compact_state.py) trains
+    bit for bit as with a master of its own: same losses on every rank, same final weights."""
+    shared, own = runs[f"zero3_{layout}_master_in_params"], runs[f"zero3_{layout}_own_master"]
+    for r_shared, r_own in zip(shared["per_rank"], own["per_rank"]):
+        assert r_shared["losses"] == r_own["losses"]
+    assert all(torch.equal(shared["weights"][k], own["weights"][k]) for k in own["weights"])
+    assert 1e-7 < _rel(shared["losses"], runs["ddp_bf16"]["losses"]) < 2e-2  # bf16 states: close to ddp, not equal
+
+
+def test_master_in_the_parameter_partition_resumes_exactly(runs: dict[str, dict]) -> None:
+    run = runs["zero3_bf16_sr_master_in_params_resume"]
     assert _rel(run["resumed_losses"], run["losses"][-20:]) < 1e-6
 
 
