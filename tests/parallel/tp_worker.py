@@ -28,6 +28,7 @@ import lightning_zero  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
+from tests.helpers.worker_io import save_atomic  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
@@ -174,7 +175,7 @@ def main() -> None:
         for name, opts in refs:  # the oracle: one process, no strategy
             results[name] = run_ref(opts)
         for name, res in results.items():
-            torch.save(res, os.path.join(out, f"{name}.pt"))
+            save_atomic(res, os.path.join(out, f"{name}.pt"))
 
 
 if __name__ == "__main__":
