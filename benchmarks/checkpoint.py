@@ -70,6 +70,7 @@ sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
     _note, add_runner_args, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
+    select_configs, worker_launch,
 )
 from peers_report import _escape, _fmt, _fmt_count, _versions_line, meta_record, read_records  # noqa: E402
 from presets import model_label, model_preset  # noqa: E402
@@ -121,15 +122,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1 or args.steps < 1 or args.saves < 1 or args.micro_batch < 1:
         p.error("--gpus, --steps, --saves and --micro-batch must be >= 1")
-    names = args.configs.split(",") if args.configs else list(CKPT_CONFIGS)
-    unknown = [n for n in names if n not in CKPT_CONFIGS]
-    if unknown:
-        p.error(f"unknown configuration(s) {unknown}; valid ones are {list(CKPT_CONFIGS)}")
+    select_configs(p, args, list(CKPT_CONFIGS), list(CKPT_CONFIGS))
     try:
         model_preset(args.model)
     except ValueError as exc:
         p.error(str(exc))
-    args.config_names = names
     return args
 
 
@@ -145,9 +142,7 @@ def gpt_params(dims: dict[str, Any]) -> int:
 
 def worker_cmd(args: argparse.Namespace, config: str, results: Path, timeout: float) -> list[str]:
     """python (1 process) or torchrun (N processes) on checkpoint_worker.py."""
-    launch = [sys.executable]
-    if args.gpus > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    launch = worker_launch(args.gpus)
     cmd = launch + [
         str(WORKER), "--config", config, "--model", args.model, "--micro-batch", str(args.micro_batch),
         "--steps", str(args.steps), "--saves", str(args.saves), "--ckpt-dir", str(args.ckpt_dir),

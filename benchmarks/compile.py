@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once,
+    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import (  # noqa: E402
     Row, Target, _fmt, render_gpt_section,
@@ -69,19 +69,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warmup < 3:
         p.error("--warmup must be >= 3 (ZeRO-3's first batch runs eagerly, compilation takes the next ones)")
-    names = args.configs.split(",") if args.configs else DEFAULTS[1 if args.gpus == 1 else 2]
-    unknown = [n for n in names if n not in ALL]
-    if unknown:
-        p.error(f"unknown configuration(s) {unknown}; valid ones are {ALL}")
-    args.config_names = names
+    select_configs(p, args, ALL, DEFAULTS[1 if args.gpus == 1 else 2])
     args.profile = False
     return args
 
 
 def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str]:
-    launch = [sys.executable]
-    if args.gpus > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    launch = worker_launch(args.gpus)
     return launch + [
         str(WORKER), "--config", config, "--model", args.model, "--micro-batch", str(args.micro_batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,

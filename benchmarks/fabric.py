@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once,
+    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import (  # noqa: E402
     Row, Target, _fmt, render_gpt_section,
@@ -59,20 +59,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     add_runner_args(p, config_timeout_s=240.0, min_config_s=45.0)
     args = p.parse_args(argv)
-    names = args.configs.split(",") if args.configs else list(ALL)
-    unknown = [n for n in names if n not in ALL]
-    if unknown:
-        p.error(f"unknown configuration(s) {unknown}; valid ones are {ALL}")
-    args.config_names = names
+    select_configs(p, args, ALL, ALL)
     args.profile = False
     return args
 
 
 def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str]:
     door, _, peer = config.partition("_")
-    launch = [sys.executable]
-    if args.gpus > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    launch = worker_launch(args.gpus)
     return launch + [
         str(WORKERS[door]), "--config", peer if door == "trainer" else config, "--model", args.model,
         "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),

@@ -60,7 +60,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    _note, add_runner_args, child_env, dist_version, nvidia_smi, run_benchmark, run_once,
+    _note, add_runner_args, child_env, dist_version, nvidia_smi, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import (  # noqa: E402
     GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line,
@@ -115,15 +115,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1 or args.steps < 1 or args.warmup < 0 or args.micro_batch < 1:
         p.error("--gpus, --steps and --micro-batch must be >= 1 and --warmup >= 0")
-    names = args.configs.split(",") if args.configs else list(LORA_PEERS)
-    unknown = [n for n in names if n not in LORA_PEERS]
-    if unknown:
-        p.error(f"unknown configuration(s) {unknown}; valid ones are {list(LORA_PEERS)}")
+    select_configs(p, args, list(LORA_PEERS), list(LORA_PEERS))
     try:
         llama_preset(args.model, args.layers, args.seq_len)
     except ValueError as exc:
         p.error(str(exc))
-    args.config_names = names
     return args
 
 
@@ -132,9 +128,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def worker_cmd(args: argparse.Namespace, config: str, results: Path) -> list[str]:
     """python (1 process) or torchrun (N processes) on lora_worker.py."""
-    launch = [sys.executable]
-    if args.gpus > 1:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={args.gpus}"]
+    launch = worker_launch(args.gpus)
     cmd = launch + [
         str(WORKER), "--config", config, "--model", args.model, "--micro-batch", str(args.micro_batch),
         "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,

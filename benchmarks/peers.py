@@ -48,7 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -255,6 +255,24 @@ def reason_from_tail(result: ChildResult) -> str:
 def _note(results: Path, config: str, attempt: int, **fields: object) -> None:
     with results.open("a") as fh:
         fh.write(json.dumps({"config": config, "attempt": attempt, **fields}) + "\n")
+
+
+def worker_launch(gpus: int) -> list[str]:
+    """The launcher of a benchmark worker: python (one process) or torchrun over ``gpus`` processes."""
+    launch = [sys.executable]
+    if gpus > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc-per-node={gpus}"]
+    return launch
+
+
+def select_configs(p: argparse.ArgumentParser, args: argparse.Namespace, valid: Sequence[str],
+                   default: Sequence[str]) -> None:
+    """``args.config_names`` from ``--configs`` (or ``default``); an unknown name is a usage error."""
+    names = args.configs.split(",") if args.configs else list(default)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        p.error(f"unknown configuration(s) {unknown}; valid ones are {list(valid)}")
+    args.config_names = names
 
 
 def run_once(args: argparse.Namespace, config: str, results: Path, out_dir: Path, deadline: Optional[float],

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -320,7 +319,7 @@ def main() -> None:
                 text = section_act(out, deadline)
             else:
                 raise SystemExit(f"unknown section {section!r}")
-        except Exception as e:  # a failing section never stops the next one
+        except Exception:  # a failing section never stops the next one
             import traceback
 
             text = f"### {section}: failed\n\n```\n{traceback.format_exc()[-3000:]}\n```\n"
