@@ -44,16 +44,7 @@ def build_strategy(args: argparse.Namespace) -> Any:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, choices=sorted(PEER_OF))
-    p.add_argument("--model", default="gpt_1b")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps (compilation happens in them)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--no-fused", action="store_true")
-    p.add_argument("--results-file", type=Path, required=True)
+    p = pw.gpt_worker_parser(__doc__, PEER_OF, steps=10, warmup=4)  # compilation happens in the warm-up
     args = p.parse_args(argv)
     args.profile = False
     return args

@@ -63,17 +63,7 @@ CONFIGS: dict[str, pw.PeerConfig] = {
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
-    p.add_argument("--model", default="gpt_1b")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--devices", type=int, default=1)
-    p.add_argument("--no-fused", action="store_true")
-    p.add_argument("--results-file", type=Path, required=True)
-    args = p.parse_args(argv)
+    args = pw.gpt_worker_parser(__doc__, CONFIGS).parse_args(argv)
     args.profile = False
     return args
 

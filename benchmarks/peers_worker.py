@@ -31,7 +31,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 REPO = Path(__file__).resolve().parent.parent
 for _p in (REPO, REPO / "examples"):  # `import lightning_zero` from the checkout; `gpt`/`data` from examples/
@@ -517,17 +517,23 @@ def build_module(spec: PeerConfig, args: argparse.Namespace, trainer: Trainer, c
     return DeferredGPTModule(cfg, **kwargs)
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, choices=sorted(CONFIGS))
+def gpt_worker_parser(doc: Optional[str], configs: Iterable[str], steps: int = 15, warmup: int = 5) -> argparse.ArgumentParser:
+    """The arguments every GPT benchmark worker takes (this one, compile_worker.py, fabric_worker.py)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, choices=sorted(configs))
     p.add_argument("--model", default="gpt_1b", help="conf/model preset name or a YAML path")
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=15, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed steps before them")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--devices", type=int, default=1, help="processes (GPUs) in this run")
     p.add_argument("--no-fused", action="store_true", help="torch AdamW without fused=True")
     p.add_argument("--results-file", type=Path, required=True)
+    return p
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = gpt_worker_parser(__doc__, CONFIGS)
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, profile --profile-steps more and record the exposed communication")
     p.add_argument("--profile-steps", type=int, default=3)
