@@ -32,11 +32,15 @@ import lightning.pytorch as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
 from lightning_zero import ZeroStrategy
 from lightning_zero.callbacks import LayerDropPlan, ProgressiveLayerDrop
+from lightning_zero.logging import MoEMetrics
+from lightning_zero.moe import MoE, aux_loss
+from lightning_zero.parallel import parallelize, tp_plan_gpt
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 INIT_STD = 0.02
@@ -76,13 +80,36 @@ class GPTConfig:
     """torch.compile each transformer block (:meth:`GPTModule.compile_network`), under any strategy."""
     compile_mode: Optional[str] = None
     """With ``compile``: torch.compile's ``mode`` (e.g. 'max-autotune-no-cudagraphs'); None is its default."""
+    moe_experts: int = 0
+    """Mixture of Experts (lightning_zero.moe.MoE): experts of each MoE layer; 0: every MLP is dense."""
+    moe_every: int = 2
+    """With ``moe_experts``: the MLP of every ``moe_every``-th block is an MoE layer of copies of it (blocks
+    ``moe_every - 1``, ``2 moe_every - 1``, ...: DeepSpeed-MoE's every other layer for 2)."""
+    moe_top_k: Optional[int] = None
+    """MoE options: None takes :class:`lightning_zero.moe.MoE`'s default (top_k=1, capacity_factor=1,
+    eval_capacity_factor=1, min_capacity=4, drop_tokens=True, aux_loss_coef=0.01)."""
+    moe_capacity_factor: Optional[float] = None
+    moe_eval_capacity_factor: Optional[float] = None
+    moe_min_capacity: Optional[int] = None
+    moe_drop_tokens: Optional[bool] = None
+    moe_aux_loss_coef: Optional[float] = None
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe_experts > 0 and (i + 1) % self.moe_every == 0
+
+    def moe_options(self) -> dict[str, Any]:
+        """The MoE arguments this config sets (the rest keep the layer's defaults)."""
+        names = ("top_k", "capacity_factor", "eval_capacity_factor", "min_capacity", "drop_tokens", "aux_loss_coef")
+        return {n: getattr(self, f"moe_{n}") for n in names if getattr(self, f"moe_{n}") is not None}
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
             raise ValueError(f"n_head ({self.n_head}) must divide d_model ({self.d_model}).")
-        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len"):
+        for name in ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "moe_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        if self.moe_experts < 0:
+            raise ValueError(f"GPTConfig.moe_experts must be >= 0, got {self.moe_experts}.")
 
 
 class CausalSelfAttention(nn.Module):
@@ -122,19 +149,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x)).
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    ``moe``: the MLP is a :class:`lightning_zero.moe.MoE` of ``cfg.moe_experts`` MLPs, ``ep_size`` of them
+    split over the expert-parallel ranks (ZeroStrategy(expert_parallel=ep_size) hands the layer its group)."""
+
+    def __init__(self, cfg: GPTConfig, moe: bool = False, ep_size: int = 1) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = (
+            MoE(cfg.d_model, lambda: MLP(cfg), num_experts=cfg.moe_experts, ep_size=ep_size, **cfg.moe_options())
+            if moe else MLP(cfg)
+        )
         self.residual_std = INIT_STD / math.sqrt(2 * cfg.n_layer)
         self.reset_parameters()
 
-    def residual_projections(self) -> tuple[nn.Linear, nn.Linear]:
+    def residual_projections(self) -> tuple[nn.Linear, ...]:
         """The Linear layers writing into the residual stream (GPT-2 scales their initialisation)."""
+        if isinstance(self.mlp, MoE):
+            return (self.attn.proj, *(e.proj for e in self.mlp.experts))
         return self.attn.proj, self.mlp.proj
 
     def reset_parameters(self) -> None:
@@ -162,13 +197,14 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer: token + position embedding, pre-LN blocks, final LayerNorm, LM head."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ep_size: int = 1) -> None:
+        """``ep_size``: expert-parallel degree of the MoE layers (``cfg.moe_experts``)."""
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, cfg.is_moe_block(i), ep_size) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         # Tied: the head *is* wte.weight (F.linear in forward), so the parameter exists exactly once and
         # ZeRO sees one parameter receiving gradient from two places. Untied: a separate Linear.
@@ -357,7 +393,11 @@ def matmul_params(cfg: GPTConfig) -> int:
         + (4 * d * d + d * bias)  # mlp down
         + 2 * (d + d * bias)  # two LayerNorms
     )
-    return cfg.n_layer * per_block + (d + d * bias) + cfg.vocab_size * d
+    mlp = (4 * d * d + 4 * d * bias) + (4 * d * d + d * bias)
+    moe_blocks = sum(cfg.is_moe_block(i) for i in range(cfg.n_layer))
+    top_k = cfg.moe_options().get("top_k", 1)
+    moe_extra = moe_blocks * ((top_k - 1) * mlp + d * cfg.moe_experts)  # top_k experts per token, and the gate
+    return cfg.n_layer * per_block + moe_extra + (d + d * bias) + cfg.vocab_size * d
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
@@ -434,6 +474,7 @@ class GPTModule(L.LightningModule):
         min_lr_ratio: float = OptimConfig.min_lr_ratio,
         pipeline: bool = False,
         freeze_fraction: float = OptimConfig.freeze_fraction,
+        expert_parallel: int = 1,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -446,16 +487,20 @@ class GPTModule(L.LightningModule):
         )
         self.max_steps = max_steps
         self.use_pipeline = bool(pipeline)
+        self.expert_parallel = int(expert_parallel)
+        """The MoE layers' ep_size: the strategy's ``expert_parallel`` (examples/train.py passes it)."""
         # Plain containers only (exactly this constructor's arguments), so load_from_checkpoint can rebuild
         # the module and TensorBoard can show them.
         optim = asdict(self.optim)
         self.save_hyperparameters(
             {"model": asdict(self.config), "max_steps": max_steps, "optimizer": optim.pop("name"), **optim,
-             "pipeline": self.use_pipeline}
+             "pipeline": self.use_pipeline, "expert_parallel": self.expert_parallel}
         )
         self.flops_per_token = flops_per_token(self.config)
         if self.config.pld and self.use_pipeline:
             raise ValueError("model.pld needs the plain GPT (its block loop drops layers); pipeline stages run a fixed layer list.")
+        if self.config.moe_experts and self.use_pipeline:
+            raise ValueError("model.moe_experts with pipeline stages is not built yet.")
         self.model = self._build_model()
         if self.config.compile:
             self.compile_network()
@@ -482,9 +527,10 @@ class GPTModule(L.LightningModule):
     @override
     def configure_callbacks(self) -> list[L.Callback]:
         """``model.pld=true``: Progressive Layer Dropping on the configured schedule."""
-        if not self.config.pld:
-            return []
-        return [ProgressiveLayerDrop(theta=self.config.pld_theta, gamma=self.config.pld_gamma)]
+        callbacks: list[L.Callback] = [MoEMetrics()] if self.config.moe_experts else []
+        if self.config.pld:
+            callbacks.append(ProgressiveLayerDrop(theta=self.config.pld_theta, gamma=self.config.pld_gamma))
+        return callbacks
 
     @property  # type: ignore[override]
     def example_input_array(self) -> Optional[Tensor]:
@@ -534,6 +580,20 @@ class GPTModule(L.LightningModule):
             return set()
         return {id(p) for m in model.modules() if isinstance(m, Block) for p in m.residual_projections()}
 
+    @override
+    def configure_model(self) -> None:
+        """``strategy.tensor_parallel > 1``: each block's MLP split over ``self.device_mesh["tp"]`` with
+        the ready plan (:func:`lightning_zero.parallel.tp_plan_gpt`), as under Lightning's
+        ModelParallelStrategy; ZeRO then partitions each rank's TP shard over the data-parallel ranks.
+        Idempotent (Lightning calls it again for validate/test)."""
+        mesh = self.device_mesh
+        if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
+            return
+        if not isinstance(self.model, GPT):
+            raise ValueError("tensor_parallel > 1 needs the plain GPT (no pipeline stages).")
+        if not any(isinstance(p, DTensor) for p in self.model.parameters()):
+            parallelize(self.model, mesh["tp"], tp_plan_gpt(self.model, mesh["tp"]))
+
     def _build_model(self) -> Union[PipelineModule, GPT]:
         """The one place the network is constructed.
 
@@ -542,7 +602,7 @@ class GPTModule(L.LightningModule):
         on first use: built in ``configure_model``, call its ``materialize()`` there, so that the layers
         are created inside the strategy's sharded context.
         """
-        return gpt_pipeline(self.config) if self.use_pipeline else GPT(self.config)
+        return gpt_pipeline(self.config) if self.use_pipeline else GPT(self.config, ep_size=self.expert_parallel)
 
     @override
     def forward(self, idx: Tensor) -> Tensor:
@@ -557,7 +617,10 @@ class GPTModule(L.LightningModule):
             # Under pipeline stages this runs the whole schedule (backward included when training) and
             # returns the mean loss over micro-batches on every rank.
             return self.model((x, y))
-        return lm_loss(self(x), y)
+        loss = lm_loss(self(x), y)
+        if self.config.moe_experts and self.training:  # the load-balancing loss of this forward's MoE layers
+            loss = loss + aux_loss(self.model)
+        return loss
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
+from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
 from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.parallel.dtensor import local_tensor
@@ -49,6 +50,7 @@ from lightning_zero.zero.compile import CompilePlan, compile_for_strategy
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules
 from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
+from lightning_zero.zero.shard_comm import ShardComm, is_expert
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
 from lightning_zero.zero.stage3 import Stage3Engine, guard_released_modules
@@ -126,7 +128,8 @@ class ZeroCore(CheckpointMixin):
         self._set_world_ranks()
         env = self.cluster_environment  # type: ignore[attr-defined]
         self.dims = ParallelDims(  # type: ignore[attr-defined]
-            self.world_size, self.global_rank, pp=self.config.pipeline_stages, tp=self.config.tensor_parallel)
+            self.world_size, self.global_rank, pp=self.config.pipeline_stages, tp=self.config.tensor_parallel,
+            ep=self.config.expert_parallel)
         backend = self.config.process_group_backend or _get_default_process_group_backend_for_device(self.root_device)  # type: ignore[attr-defined]
         if self.world_size > 1 or C.is_initialized():  # type: ignore[attr-defined]
             _init_dist_connection(env, backend, timeout=timedelta(seconds=self.config.timeout_s))
@@ -154,12 +157,21 @@ class ZeroCore(CheckpointMixin):
         process without a process group."""
         return self.dims.mesh if self.dims is not None else None
 
+    @property
+    def expert_parallel_group(self) -> Optional[C.ProcessGroup]:
+        """This rank's expert-parallel group (``expert_parallel`` > 1; parallel_dims.py [Note:
+        expert-parallel groups]), for ``MoE(..., ep_group=...)`` built in ``configure_model``; layers
+        built with ``ep_size`` get it at setup anyway (moe/parallel.py [Note: who tells a layer its
+        group]). None before ``setup_environment`` and without expert parallelism."""
+        return self.dims.ep_group if self.dims is not None else None
+
     # ------------------------------------------------------------------ setup
     def _prepare_module(self, module: torch.nn.Module) -> None:
         """On this rank's device (meta parameters stay meta: materialised later, unit by unit), with
         rank 0's weights and buffers; remembers the dtypes the checkpoints restore."""
         if self.dims is not None and self.dims.tp > 1:
             check_tensor_parallel(module, self.dims.tp)
+        bind_expert_parallel(module, self.config.expert_parallel, self.expert_parallel_group)  # before the broadcast
         self._place(module)
         self._broadcast_module_states(module)
         self._orig_dtypes = {k: v.dtype for k, v in module.state_dict().items() if torch.is_tensor(v)}
@@ -176,13 +188,15 @@ class ZeroCore(CheckpointMixin):
         if C.world_size() == 1:
             return
         group = self.dims.dp_group if self.dims is not None else None
+        expert_group = self.dims.edp_group if self.dims is not None and self.dims.ep > 1 else group
         with torch.no_grad():
             for t in list(module.parameters()) + list(module.buffers()):
+                src_group = expert_group if is_expert(t) else group  # the replicas of the same experts only
                 # meta parameters are materialised identically on every rank; released ZeRO-3 ones are
                 # consistent already (their shards are)
                 t = local_tensor(t)  # a DTensor's TP shard: the dp ranks of one tp rank hold the same one
                 if not t.is_meta and t.untyped_storage().nbytes() > 0:
-                    C.broadcast(t.data, 0, group)
+                    C.broadcast(t.data, 0, src_group)
 
     def _unshard_previous_engines(self) -> None:
         """A second setup: parameters of stage-3 engines get their full storage back first."""
@@ -220,7 +234,10 @@ class ZeroCore(CheckpointMixin):
         frozen = frozen_params(module, optimizers) if self.config.stage == 3 else []
         if only is None:
             self._engines = {}
+        experts = ShardComm.over(self.dims.edp_group, self.dims.edp_param_group) if self.dims.ep > 1 else None
         for i, opt in enumerate(optimizers if only is None else only):
+            if experts is not None and compressed_comm.uses_compressed_comm(opt):
+                raise NotImplementedError(f"{type(opt).__name__} with expert_parallel > 1 is not built yet.")
             compressed_comm.attach_backend(opt, self.config.stage, self.dims.dp_group)  # 1-bit optimizers only
             self._engines[id(opt)] = engine_cls(
                 opt,
@@ -231,6 +248,7 @@ class ZeroCore(CheckpointMixin):
                 norm_groups=norm_groups,
                 param_names=names,
                 **({"tp_group": self.dims.tp_group} if self.dims.tp > 1 else {}),
+                **({"expert_comm": experts} if experts is not None else {}),
                 **stage_options,
                 **({"frozen_params": frozen} if i == 0 and frozen else {}),
             )

@@ -15,6 +15,16 @@ in ``configure_model``, as under Lightning's ``ModelParallelStrategy``. One exce
 parameter all-gathers need a second group over the data-parallel ranks (stage3.py's [Note: two process
 groups]); a mesh has one group per dim, so that one is created here beside it, with the same ranks.
 Groups are created here and nowhere else; an instance owns them (no globals).
+
+[Note: expert-parallel groups]
+With ``ep`` > 1 (Mixture of Experts, issue #20) the data-parallel ranks split into ``dp / ep`` groups of
+``ep`` contiguous ranks, ``dp_rank = edp_rank * ep + ep_rank`` (DeepSpeed's layout: an expert-parallel
+group on one host, where its all-to-alls need the fastest links). ``ep_group``: the ranks holding
+*different* experts of one replica (tokens are exchanged there); ``edp_group``: the ranks holding the
+*same* experts (``ep_rank`` equal; expert gradients are reduced and partitioned there), with
+``edp_param_group`` beside it for ZeRO-3's gathers as for dp. They are plain groups beside the mesh, not
+mesh dims: splitting the mesh's "dp" dim in two needs DeviceMesh's private ``_unflatten`` (absent from
+the torch versions we support), and the mesh the module sees keeps its three dims.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ class ParallelDims:
     global_rank: int
     pp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert-parallel degree (a divisor of dp; see [Note: expert-parallel groups])."""
     mesh: Optional[Any] = field(default=None, repr=False)
     """The ``DeviceMesh`` (None in a single process without a default process group)."""
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
@@ -44,6 +56,9 @@ class ParallelDims:
     dp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     """Same ranks as ``dp_group``; ZeRO-3's parameter all-gathers run here (stage3.py's
     [Note: two process groups])."""
+    ep_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    edp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    edp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp"):
@@ -55,6 +70,14 @@ class ParallelDims:
                 f"world size {self.world_size} is not divisible by pipeline_stages={self.pp} x tensor_parallel={self.tp} "
                 f"= {self.pp * self.tp}: the world size must equal data-parallel degree x pipeline stages x "
                 "tensor-parallel degree. Change the number of devices or the degrees."
+            )
+        if isinstance(self.ep, bool) or not (isinstance(self.ep, int) and self.ep >= 1):
+            raise ValueError(f"expert_parallel must be an integer >= 1, got {self.ep!r}.")
+        if self.dp % self.ep != 0:
+            raise ValueError(
+                f"expert_parallel={self.ep} does not divide the data-parallel degree {self.dp} (world size "
+                f"{self.world_size}): experts are split over groups of expert_parallel ranks, and every rank must "
+                "be in one. Change the number of devices or expert_parallel."
             )
 
     @property
@@ -72,6 +95,19 @@ class ParallelDims:
     @property
     def pp_rank(self) -> int:
         return self.global_rank // (self.dp * self.tp)
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts ([Note: expert-parallel groups])."""
+        return self.dp // self.ep
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dp_rank // self.ep
 
     def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
         return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
@@ -96,6 +132,21 @@ class ParallelDims:
                 g = C.new_group(self.dp_ranks(s, t), timeout_s)
                 if (s, t) == (self.pp_rank, self.tp_rank):
                     self.dp_param_group = g
+        if self.ep > 1:
+            self._build_expert_groups(timeout_s)
+
+    def _build_expert_groups(self, timeout_s: Optional[float]) -> None:
+        """[Note: expert-parallel groups] (collective; pp = tp = 1, which the config enforces)."""
+        dp_ranks = self.dp_ranks(self.pp_rank, self.tp_rank)
+        for e in range(self.edp):
+            g = C.new_group(dp_ranks[e * self.ep : (e + 1) * self.ep], timeout_s)
+            if e == self.edp_rank:
+                self.ep_group = g
+        for kind in ("edp_group", "edp_param_group"):
+            for k in range(self.ep):
+                g = C.new_group(dp_ranks[k :: self.ep], timeout_s)
+                if k == self.ep_rank:
+                    setattr(self, kind, g)
 
     def build_stage_group(self, stages: list[int], timeout_s: Optional[float] = None) -> Optional[C.ProcessGroup]:
         """Groups over the given pipeline stages, one per data-parallel x tensor-parallel replica

@@ -176,6 +176,16 @@ class ZeroConfig:
     each rank's TP shard over the data-parallel ranks; world size = data-parallel degree x
     pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-2 for now."""
 
+    expert_parallel: int = 1
+    """Mixture of Experts (issue #20): experts of every :class:`lightning_zero.moe.MoE` layer are split
+    over groups of this many data-parallel ranks (contiguous ranks), tokens exchanged by all-to-all inside
+    a group. Non-expert parameters stay data parallel over every rank; expert parameters are reduced and
+    partitioned by the ZeRO stage over the ranks holding the same experts (data-parallel degree /
+    expert_parallel of them). Must divide the world size and each MoE layer's ``num_experts``; the
+    strategy hands its group to the layers at setup (lightning_zero/moe/parallel.py [Note: who tells a
+    layer its group]). Stages 0-3; not yet with pipeline_stages, tensor_parallel, offload, 1-bit
+    optimizers or checkpoints."""
+
     microbatches: int = 4
     """Pipeline only: each batch is cut into this many equal micro-batches that flow through the stages
     one after another. More shrink the idle bubble (P-1)/(M+P-1) but make each matmul smaller; the
@@ -232,6 +242,7 @@ class ZeroConfig:
             raise ValueError(f"pipeline_stages must be an integer >= 1, got {self.pipeline_stages!r}.")
         self._validate_pipeline()
         self._validate_tensor_parallel()
+        self._validate_expert_parallel()
         self._validate_offload()
         self._validate_compile()
         if self.process_group_backend not in (None, "nccl", "gloo"):
@@ -279,6 +290,19 @@ class ZeroConfig:
             raise ValueError(f"tensor_parallel={tp} with offload_optimizer/offload_params is not built yet.")
         if self.pipeline_stages > 1:
             raise ValueError(f"tensor_parallel={tp} with pipeline_stages={self.pipeline_stages} is not built yet.")
+
+    def _validate_expert_parallel(self) -> None:
+        """What expert parallelism is not built with yet fails here, saying so (issue #20)."""
+        ep = self.expert_parallel
+        if isinstance(ep, bool) or not (isinstance(ep, int) and ep >= 1):
+            raise ValueError(f"expert_parallel must be an integer >= 1, got {ep!r}.")
+        if ep == 1:
+            return
+        for name, value in (("pipeline_stages", self.pipeline_stages), ("tensor_parallel", self.tensor_parallel)):
+            if value > 1:
+                raise ValueError(f"expert_parallel={ep} with {name}={value} is not built yet.")
+        if self.offloads:
+            raise ValueError(f"expert_parallel={ep} with offload_optimizer/offload_params is not built yet.")
 
     def _validate_pipeline(self) -> None:
         if not (isinstance(self.microbatches, int) and self.microbatches >= 1):

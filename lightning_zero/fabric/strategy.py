@@ -37,6 +37,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero.checkpoint.experts import ExpertCheckpointGuard
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.core import ZeroCore
 from lightning_zero.fabric.checkpoint import FabricCheckpointMixin
@@ -52,7 +53,7 @@ PIPELINE_REFUSAL = (
 )
 
 
-class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ExpertCheckpointGuard, FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
     """DeepSpeed's ZeRO for Lightning Fabric: ``Fabric(strategy="zero3")`` or
     ``Fabric(strategy=ZeroFabricStrategy(stage=3, offload_optimizer="cpu"))``.
 

@@ -191,7 +191,7 @@ class TopKGate(nn.Module):
         validate_gate_args(hidden_size, num_experts, top_k, capacity_factor, eval_capacity_factor, min_capacity,
                            noisy_gate_policy)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default initialisation
+        self.reset_parameters()
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
@@ -199,6 +199,10 @@ class TopKGate(nn.Module):
         self.min_capacity = min_capacity
         self.drop_tokens = drop_tokens
         self.noisy_gate_policy = noisy_gate_policy
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default initialisation (also what ZeRO-3's sharded construction calls)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: Tensor) -> Routing:
         """Route ``[tokens, hidden]`` tokens."""

@@ -59,7 +59,12 @@ class MoE(nn.Module):
         noisy_gate_policy: None, ``'RSample'`` or ``'Jitter'`` (gating.py [Note: noisy gating]).
         aux_loss_coef: scale of the load-balancing loss stored in ``aux_loss``.
         ep_group: the expert-parallel process group; ``num_experts`` must be divisible by its size. None:
-            every expert is local.
+            every expert is local, unless ``ep_size`` says otherwise.
+        ep_size: DeepSpeed's argument: the expert-parallel degree, when the group does not exist yet (a
+            model built in ``__init__``, before the process group). The layer then holds ``num_experts /
+            ep_size`` experts and waits for :meth:`set_ep_group`, which ``ZeroStrategy(expert_parallel=
+            ep_size)`` calls at setup (moe/parallel.py [Note: who tells a layer its group]). Default: the
+            group's size, or 1.
     """
 
     def __init__(
@@ -75,6 +80,7 @@ class MoE(nn.Module):
         noisy_gate_policy: Optional[str] = None,
         aux_loss_coef: float = 0.01,
         ep_group: Optional[C.ProcessGroup] = None,
+        ep_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         validate_gate_args(hidden_size, num_experts, top_k, capacity_factor, eval_capacity_factor, min_capacity,
@@ -84,7 +90,12 @@ class MoE(nn.Module):
             expert = lambda: copy.deepcopy(template)  # noqa: E731
         if not callable(expert):
             raise TypeError(f"expert must be a factory returning an nn.Module (e.g. a lambda), got {expert!r}")
-        ep_size = C.world_size(ep_group) if ep_group is not None else 1
+        group_size = C.world_size(ep_group) if ep_group is not None else None
+        if ep_size is not None and group_size is not None and ep_size != group_size:
+            raise ValueError(f"ep_size={ep_size} but the ep_group has {group_size} ranks")
+        ep_size = group_size or ep_size or 1
+        if not (isinstance(ep_size, int) and ep_size >= 1):
+            raise ValueError(f"ep_size must be an integer >= 1, got {ep_size!r}")
         if num_experts % ep_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel group size "
                              f"({ep_size})")
@@ -99,10 +110,7 @@ class MoE(nn.Module):
         self.gate = TopKGate(hidden_size, num_experts, top_k, capacity_factor, eval_capacity_factor, min_capacity,
                              drop_tokens, noisy_gate_policy)
         self.experts = nn.ModuleList(self._make_expert(expert) for _ in range(self.num_local_experts))
-        for j, module in enumerate(self.experts):
-            for param in module.parameters():
-                param.lz_expert = True  # type: ignore[attr-defined]
-                param.lz_expert_index = self.global_expert_index(j)  # type: ignore[attr-defined]
+        self._mark_experts()
         self.aux_loss: Optional[Tensor] = None
         """``aux_loss_coef`` x the load-balancing loss of the last forward (differentiable); None before."""
         self.last_stats: Optional[MoEStats] = None
@@ -115,6 +123,29 @@ class MoE(nn.Module):
             raise TypeError(f"the expert factory must return an nn.Module, got {type(module).__name__}")
         return module
 
+    def _mark_experts(self) -> None:
+        """[Note: expert parameters]: the mark and the global index of every expert parameter."""
+        for j, module in enumerate(self.experts):
+            for param in module.parameters():
+                param.lz_expert = True  # type: ignore[attr-defined]
+                param.lz_expert_index = self.global_expert_index(j)  # type: ignore[attr-defined]
+
+    @property
+    def ep_bound(self) -> bool:
+        """Whether the layer can run: its expert-parallel group is known (or it needs none)."""
+        return self.ep_size == 1 or self.ep_group is not None
+
+    def set_ep_group(self, group: Optional[C.ProcessGroup]) -> None:
+        """Bind the expert-parallel group of a layer built with ``ep_size`` (DeepSpeed's ``_set_ep_group``);
+        the local experts become global experts ``rank * num_local_experts ...`` of that group."""
+        size = C.world_size(group) if group is not None else 1
+        if size != self.ep_size:
+            raise ValueError(f"this MoE layer holds {self.num_local_experts} of {self.num_experts} experts (ep_size="
+                             f"{self.ep_size}), but the expert-parallel group has {size} ranks")
+        self.ep_group = group if size > 1 else None
+        self.ep_rank = C.rank(group) if size > 1 else 0
+        self._mark_experts()
+
     def global_expert_index(self, local_index: int) -> int:
         """The global index of local expert ``local_index`` (see [Note: expert parameters])."""
         return self.ep_rank * self.num_local_experts + local_index
@@ -122,6 +153,11 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE expects inputs [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if not self.ep_bound:
+            raise RuntimeError(
+                f"This MoE layer was built with ep_size={self.ep_size} but has no expert-parallel group: train it "
+                f"under ZeroStrategy(expert_parallel={self.ep_size}), which sets the group at setup, or pass "
+                "ep_group= (e.g. trainer.strategy.expert_parallel_group in configure_model).")
         tokens = x.reshape(-1, self.hidden_size)
         routing = self.gate(tokens)
         out = dispatch_combine(tokens, routing, self.experts, self.ep_group)

@@ -49,6 +49,7 @@ from lightning_zero.parallel.dtensor import grad_like, is_tp_sharded, local_grad
 from lightning_zero.zero.flat_group import FlatParamGroup
 from lightning_zero.zero.loss_scaler import DynamicLossScaler
 from lightning_zero.zero.partition import build_layout
+from lightning_zero.zero.shard_comm import ShardComm, place_param_groups
 from lightning_zero.zero.wrappable import check_wrappable
 
 
@@ -87,10 +88,13 @@ class ZeroEngine:
         norm_groups: Sequence[Optional[C.ProcessGroup]] = (),
         param_names: Optional[dict[int, str]] = None,
         tp_group: Optional[C.ProcessGroup] = None,
+        expert_comm: Optional[ShardComm] = None,
         **stage_options: object,
     ) -> None:
         """``tp_group``: the tensor-parallel group when DTensor parameters are TP-sharded (the gradient
-        norm sums their squares over it; see [Note: gradient norm under tensor parallelism])."""
+        norm sums their squares over it; see [Note: gradient norm under tensor parallelism]).
+        ``expert_comm``: with expert parallelism, the ranks holding this rank's experts (shard_comm.py
+        [Note: expert parameters under ZeRO]); None: every parameter is data parallel over ``dp_group``."""
         check_wrappable(optimizer, self.stage)
         self.optimizer = optimizer
         self.dp_group = dp_group
@@ -111,7 +115,16 @@ class ZeroEngine:
         self.stage_options = stage_options
         self.tp_group = tp_group
         self.tp_size = C.world_size(tp_group) if tp_group is not None else 1
+        self.dp_comm = ShardComm.over(dp_group, stage_options.get("param_group"))  # type: ignore[arg-type]
+        self.expert_comm = expert_comm
+        self.comms: list[ShardComm] = []
+        """Flat group ``gi``'s ranks (shard_comm.py [Note: expert parameters under ZeRO])."""
+        self.pg_of: list[int] = []
+        """Flat group ``gi``'s optimizer param group."""
         self._build_groups(bucket_numel)
+        if not self.comms:  # engines building their groups their own way: one per param group, over dp
+            self.comms = [self.dp_comm] * len(self.groups)
+            self.pg_of = list(range(len(self.groups)))
         self._replicated = [self._replicated_ranges(fg) for fg in self.groups] if self.tp_size > 1 else []
         optimizer.state.clear()
         self.launch_order: list[tuple[int, int]] = [
@@ -146,14 +159,16 @@ class ZeroEngine:
         return out
 
     def _build_groups(self, bucket_numel: int) -> None:
-        num_shards = self.dp_size if self.stage >= 1 else 1
-        shard = self.dp_rank if self.stage >= 1 else 0
-        for pg, params in zip(self.optimizer.param_groups, self._trainable_groups()):
+        for pi, comm, params in place_param_groups(self._trainable_groups(), self.dp_comm, self.expert_comm):
+            num_shards = comm.size if self.stage >= 1 else 1
+            shard = comm.rank if self.stage >= 1 else 0
             layout = build_layout([local_tensor(p).numel() for p in params], num_shards, bucket_numel, align=8)
             fg = FlatParamGroup(params, layout, shard, self.compute_dtype, self.device, **self._group_kwargs())
             if hasattr(self.optimizer, "bind_flat_params"):  # tensor boundaries for per-tensor math (1-bit LAMB)
                 self.optimizer.bind_flat_params(fg.master, [(s.offset, s.numel) for s in layout.slots], num_shards > 1)
             self.groups.append(fg)
+            self.comms.append(comm)
+            self.pg_of.append(pi)
 
     def _setup_grad_storage(self) -> None:
         for fg in self.groups:
@@ -176,8 +191,8 @@ class ZeroEngine:
     def _launch(self, gi: int, bi: int) -> _Pending:
         fg = self.groups[gi]
         bucket = fg.bucket_view(fg.flat_grad, bi)
-        bucket.div_(self.dp_size)
-        work = C.all_reduce(bucket, self.dp_group, "sum", async_op=True)
+        bucket.div_(self.dp_size)  # also for experts: shard_comm.py [Note: expert gradient scale]
+        work = C.all_reduce(bucket, self.comms[gi].group, "sum", async_op=True)
         return _Pending(work, lambda: None)
 
     def _master_grads(self) -> list[Tensor]:
@@ -264,8 +279,8 @@ class ZeroEngine:
         keeps the model's parameters])."""
         groups = self.optimizer.param_groups
         saved = [pg["params"] for pg in groups]
-        for pg, fg in zip(groups, self.groups):
-            pg["params"] = [fg.master]
+        for pi, pg in enumerate(groups):
+            pg["params"] = [fg.master for fg, owner in zip(self.groups, self.pg_of) if owner == pi]
         try:
             yield
         finally:
@@ -330,14 +345,15 @@ class ZeroEngine:
 
     def global_grad_norm_sq(self, grads: Sequence[Tensor]) -> Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        replicated_experts = self.expert_comm is not None and not self._grads_are_sharded
         for gi, g in enumerate(grads):
-            if g.numel():
-                sq += g.float().pow(2).sum()
+            if g.numel():  # stage 0 with experts: each group's squares over its replicas ([Note: gradient norm with experts])
+                sq += g.float().pow(2).sum() / (self.comms[gi].size if replicated_experts else 1)
             if self.tp_size > 1:  # [Note: gradient norm under tensor parallelism]
                 for a, b in self._replicated[gi]:
                     sq -= (1.0 - 1.0 / self.tp_size) * g[a:b].float().pow(2).sum()
         local = not self.reduce_gradients  # un-averaged local gradients: use the mean of the ranks' squares
-        groups = ([self.dp_group] if self._grads_are_sharded or local else []) + self.norm_groups
+        groups = ([self.dp_group] if self._grads_are_sharded or local or replicated_experts else []) + self.norm_groups
         groups += [self.tp_group] if self.tp_size > 1 else []
         for grp in groups:
             C.all_reduce(sq, grp, "sum")

@@ -25,9 +25,9 @@ class Stage1Engine(ZeroEngine):
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: "callable | None" = None) -> _Pending:
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
-        bucket.div_(self.dp_size)
+        bucket.div_(self.dp_size)  # also for experts: shard_comm.py [Note: expert gradient scale]
         out = bucket.new_empty(b.chunk)
-        work = C.reduce_scatter(out, bucket, self.dp_group, async_op=True)
+        work = C.reduce_scatter(out, bucket, self.comms[gi].group, async_op=True)
 
         def finalize() -> None:
             shard = fg.ensure_grad_shard()
@@ -47,10 +47,10 @@ class Stage1Engine(ZeroEngine):
 
     def _write_back(self) -> None:
         works = []
-        for fg in self.groups:
+        for fg, comm in zip(self.groups, self.comms):
             for bi in range(len(fg.layout.buckets)):
                 src = fg.master_chunk(bi).to(fg.compute_dtype)
-                works.append(C.all_gather(fg.bucket_view(fg.flat_param, bi), src, self.dp_group, async_op=True))
+                works.append(C.all_gather(fg.bucket_view(fg.flat_param, bi), src, comm.group, async_op=True))
         for w in works:
             w.wait()
 

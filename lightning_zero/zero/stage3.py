@@ -49,6 +49,7 @@ from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.zero.partition import build_grouped_layout
+from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
 from lightning_zero.zero.stage2 import Stage2Engine
 from lightning_zero.zero.units import ROOT, Unit, assign_params, find_units
@@ -123,13 +124,22 @@ class Stage3Engine(Stage2Engine):
         self.frozen_groups: list[ShardedParamGroup] = []
         """[Note: frozen parameters] partitions of parameters no optimizer steps (index ``len(groups) + i``
         in unit buckets)."""
-        builds = [(params, self._group_kwargs(), False) for params in per_group]
+        if self.expert_comm is not None and any(is_expert(p) for p in frozen):
+            raise NotImplementedError("ZeRO-3 with expert_parallel > 1 and frozen expert parameters is not built yet: "
+                                      "give every expert parameter to an optimizer, or use stage 1 or 2.")
+        placed = place_param_groups(per_group, self.dp_comm, self.expert_comm)  # shard_comm.py [Note: expert ...]
+        builds = [(params, self._group_kwargs(), False, comm, pi) for pi, comm, params in placed]
         if frozen:
-            builds.append((frozen, {"master_dtype": self.compute_dtype}, True))
-        for gi, (params, kwargs, is_frozen) in enumerate(builds):
+            builds.append((frozen, {"master_dtype": self.compute_dtype}, True, self.dp_comm, -1))
+        self._gather_groups = [comm.param_group for _, _, _, comm, _ in builds]
+        """Flat group ``gi``'s parameter-gather group (index as in ``all_groups``)."""
+        for gi, (params, kwargs, is_frozen, comm, pi) in enumerate(builds):
             keys = [owner[id(p)] for p in params]
-            layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, self.dp_size, align=8)
-            fg = ShardedParamGroup(params, layout, self.dp_rank, self.compute_dtype, self.device, **kwargs)
+            layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, comm.size, align=8)
+            fg = ShardedParamGroup(params, layout, comm.rank, self.compute_dtype, self.device, **kwargs)
+            if not is_frozen:
+                self.comms.append(comm)
+                self.pg_of.append(pi)
             for key, bi in bucket_of.items():
                 unit = self.units[key]
                 unit.buckets.append((gi, bi))
@@ -183,7 +193,7 @@ class Stage3Engine(Stage2Engine):
             for gi, bi in unit.buckets:
                 fg = self.all_groups[gi]
                 buf = fg.allocate(bi)
-                works.append(C.all_gather(buf, self._gather_source(gi, bi), self.param_group, async_op=True))
+                works.append(C.all_gather(buf, self._gather_source(gi, bi), self._gather_groups[gi], async_op=True))
             self._pending[unit.index] = works
             self._gathered.add(unit.index)
             self.live_numel += unit.numel

@@ -44,18 +44,19 @@ def gather_flat(engine: ZeroEngine, fg: FlatParamGroup, shard: Tensor) -> Tensor
     """The full flat tensor (``layout.total`` elements) of a shard-shaped tensor (collective)."""
     if fg.layout.num_shards == 1:
         return shard
+    group = next((c.group for g, c in zip(engine.groups, engine.comms) if g is fg), engine.dp_group)  # experts: shard_comm.py
     full = shard.new_empty(fg.layout.total)
-    device = C.device_for(engine.dp_group, engine.device)
+    device = C.device_for(group, engine.device)
     if shard.device != device:  # offloaded host shard under NCCL: through the device, one bucket at a time
         for b in fg.layout.buckets:
             out = torch.empty(b.numel, dtype=shard.dtype, device=device)
-            C.all_gather(out, shard[b.shard_offset : b.shard_offset + b.chunk].to(device), engine.dp_group)
+            C.all_gather(out, shard[b.shard_offset : b.shard_offset + b.chunk].to(device), group)
             full[b.start : b.end].copy_(out)
         return full
     works = []
     for b in fg.layout.buckets:
         src = shard[b.shard_offset : b.shard_offset + b.chunk].contiguous()
-        works.append(C.all_gather(full[b.start : b.end], src, engine.dp_group, async_op=True))
+        works.append(C.all_gather(full[b.start : b.end], src, group, async_op=True))
     for w in works:
         w.wait()
     return full
