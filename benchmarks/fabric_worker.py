@@ -97,9 +97,16 @@ def _train(args: argparse.Namespace, spec: pw.PeerConfig, strategy: Any) -> None
     torch.set_float32_matmul_precision("high")
     cfg = GPTConfig(**model_preset(args.model))
     module = build_module(spec, args, fabric, cfg)
-    opt_cfg = module.configure_optimizers()
-    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
-    model, optimizer = fabric.setup(module, optimizer)
+    if spec.name == "fabric_fsdp":
+        # FSDP's documented order after meta-device init: wrap (and materialise) the module first, then
+        # build the optimizer on the sharded parameters (Fabric refuses an optimizer holding meta tensors).
+        model = fabric.setup_module(module)
+        opt_cfg = module.configure_optimizers()
+        optimizer = fabric.setup_optimizers(opt_cfg["optimizer"])
+    else:  # ZeRO and DeepSpeed take model and optimizer together (DeepSpeed's engine needs both at once)
+        opt_cfg = module.configure_optimizers()
+        model, optimizer = fabric.setup(module, opt_cfg["optimizer"])
+    scheduler = opt_cfg["lr_scheduler"]["scheduler"]
     data = TextDataModule(seq_len=cfg.seq_len, batch_size=args.micro_batch)
     data.prepare_data()
     data.setup("fit")
