@@ -7,11 +7,17 @@ creates, each rank running its ``num_experts / ep_size`` local experts (``dispat
 LightningModule adds :func:`aux_loss` of itself to its loss; ``layer.last_stats`` has per-expert token
 counts and the dropped fraction for logging.
 
-Still to come (the strategy integration): ``ZeroStrategy(expert_parallel=...)`` creating the EP groups;
-expert parameters (marked ``lz_expert`` / ``lz_expert_index``, see layer.py [Note: expert parameters])
-reduced and partitioned by ZeRO over the ranks holding the same experts while the rest stays data
-parallel over the world, with gradient norm and clipping across both; checkpoints keyed by global expert
-index (resume at another EP size); an MoE GPT example logging the statistics.
+Expert parallelism in the strategy: ``ZeroStrategy(expert_parallel=EP)`` creates the expert-parallel
+and expert-data-parallel groups (parallel_dims.py [Note: expert-parallel groups]) and hands the group to
+layers built with ``MoE(..., ep_size=EP)`` (parallel.py [Note: who tells a layer its group]); expert
+parameters (marked ``lz_expert`` / ``lz_expert_index``, see layer.py [Note: expert parameters]) are
+reduced and partitioned by ZeRO stages 0-3 over the ranks holding the same experts while the rest stays
+data parallel over the world, with gradient norm and clipping across both (zero/shard_comm.py).
+:class:`lightning_zero.logging.MoEMetrics` logs the aux loss, tokens per expert and dropped fraction.
+
+Still to come: checkpoints keyed by global expert index (resume at another EP size; refused under
+EP > 1 until then: checkpoint/experts.py); EP with pipeline or tensor parallelism, offload, 1-bit
+optimizers.
 """
 
 from lightning_zero.moe.gating import Routing, TopKGate, topk_gating
