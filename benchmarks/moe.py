@@ -1,0 +1,157 @@
+"""Mixture of Experts with expert parallelism (issue #20, "Performance"): GPT-1.3B-class with 8 experts in
+every other block, ``ZeroStrategy(stage=2, expert_parallel=2)`` on 2 GPUs, against the dense model of
+equal active parameters (the same GPT without MoE: top-1 routing activates one MLP per token) under
+``zero2``; tokens/s, peak memory per GPU and the all-to-all share of the step.
+
+    torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
+    torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
+
+[Note: all-to-all share] ``collectives.all_to_all_single`` / ``all_to_all`` (the token exchange and its
+count exchange, forward and backward) are wrapped for the timed steps with CUDA events recorded on the
+current stream around each call: the interval covers the exchange and any wait for a slower peer (load
+imbalance), which is what the step pays, since the expert computation needs the tokens. The share is
+the sum of those intervals over the timed steps divided by their wall time. Target: below 20% on NVLink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import lightning_zero  # noqa: E402
+from gpt import GPTConfig, GPTModule  # noqa: E402
+from lightning_zero.comm import collectives as C  # noqa: E402
+
+GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024)
+SMOKE = dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=64)
+
+
+class Tokens(Dataset):
+    """Random token ids: throughput does not depend on the text."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[i, :-1], self.data[i, 1:]
+
+
+class A2ATimer:
+    """[Note: all-to-all share]: wraps the all-to-all collectives while ``active``."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.active, self.events, self.cpu_s = cuda, False, [], 0.0
+        for name in ("all_to_all_single", "all_to_all"):
+            setattr(C, name, self._wrap(getattr(C, name)))
+
+    def _wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.active:
+                return fn(*args, **kwargs)
+            if not self.cuda:
+                t = time.perf_counter()
+                out = fn(*args, **kwargs)
+                self.cpu_s += time.perf_counter() - t
+                return out
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*args, **kwargs)
+            end.record()
+            self.events.append((start, end))
+            return out
+
+        return timed
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return self.cpu_s
+        torch.cuda.synchronize()
+        return sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
+
+
+class StepClock(L.Callback):
+    """Wall time of the steps after ``warmup``, all-to-all timing on for those steps."""
+
+    def __init__(self, warmup: int, timer: A2ATimer) -> None:
+        self.warmup, self.timer, self.start, self.steps = warmup, timer, 0.0, 0
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup:
+            self._sync()
+            torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+            self.start, self.timer.active = time.perf_counter(), True
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._sync()
+        self.elapsed = time.perf_counter() - self.start
+        self.steps = trainer.global_step - self.warmup
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", choices=["moe", "dense"], required=True)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
+    args = p.parse_args()
+    if args.smoke:
+        args.micro_batch, args.steps, args.warmup = 2, 4, 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    moe = args.config == "moe"
+    shape = SMOKE if args.smoke else GPT_1B
+    cfg = GPTConfig(**shape, moe_experts=args.experts if moe else 0, moe_top_k=1, moe_capacity_factor=1.25)
+    ep = args.ep if moe else 1
+    L.seed_everything(0)
+    module = GPTModule(cfg, max_steps=args.steps, fused=not args.smoke, warmup_steps=2, expert_parallel=ep)
+    timer = A2ATimer(cuda=not args.smoke)
+    clock = StepClock(args.warmup, timer)
+    trainer = L.Trainer(
+        accelerator="cpu" if args.smoke else "gpu", devices=world, strategy=lightning_zero.ZeroStrategy(
+            stage=2, expert_parallel=ep), precision="32-true" if args.smoke else "bf16-mixed", max_steps=args.steps,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+    )
+    data = DataLoader(Tokens(args.micro_batch * world * (args.steps + 1), cfg.seq_len, cfg.vocab_size),
+                      batch_size=args.micro_batch, num_workers=0)
+    trainer.fit(module, train_dataloaders=data)
+    tokens = clock.steps * args.micro_batch * world * cfg.seq_len
+    a2a = timer.seconds()
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    record = {
+        "config": args.config, "experts": cfg.moe_experts, "ep": ep, "world": world, "micro_batch": args.micro_batch,
+        "params_per_rank": sum(p.numel() for p in module.parameters()),
+        "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),
+        "peak_memory_gib": peak, "all_to_all_share": a2a / clock.elapsed if moe else 0.0,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    records = C.all_gather_object(record, None)
+    if trainer.global_rank == 0:
+        print(json.dumps({**record, "per_rank_peak_gib": [r["peak_memory_gib"] for r in records],
+                          "per_rank_a2a_share": [r["all_to_all_share"] for r in records]}))
+
+
+if __name__ == "__main__":
+    main()
