@@ -108,7 +108,8 @@ class MoEModule(pl.LightningModule):
 def run_zero(stage: int, opts: dict[str, str]) -> dict:
     top_k, ep = int(opts.get("top_k", "1")), int(opts.get("ep", "2"))
     module = MoEModule(top_k, ep)
-    strategy = lightning_zero.ZeroStrategy(stage=stage, expert_parallel=ep, bucket_size_mb=0.002)
+    strategy = lightning_zero.ZeroStrategy(stage=stage, expert_parallel=ep, bucket_size_mb=0.002,
+                                           param_persistence_threshold=0)  # stage 3: gathered unit by unit
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
