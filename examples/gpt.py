@@ -526,7 +526,8 @@ class GPTModule(L.LightningModule):
 
     @override
     def configure_callbacks(self) -> list[L.Callback]:
-        """``model.pld=true``: Progressive Layer Dropping on the configured schedule."""
+        """``model.moe_experts > 0``: MoEMetrics (aux loss, tokens per expert, dropped fraction to the loggers);
+        ``model.pld=true``: Progressive Layer Dropping on the configured schedule."""
         callbacks: list[L.Callback] = [MoEMetrics()] if self.config.moe_experts else []
         if self.config.pld:
             callbacks.append(ProgressiveLayerDrop(theta=self.config.pld_theta, gamma=self.config.pld_gamma))
