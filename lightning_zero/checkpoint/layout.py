@@ -13,6 +13,12 @@ Keys are layout-free, so any stage, world size, offload setting or pipeline layo
 * ``optimizer_states.<k>.comm.rank<r>``: a 1-bit optimizer's error feedback of global rank ``r``
   (only meaningful on the same world size, as before).
 
+Tensor parallelism: a rank's pieces are ranges of its TP shard's flattening, placed in the global
+tensor (its ``Block``), and a TP-sharded tensor is stored in its global n-D shape (pieces.py [Note:
+tensor-parallel pieces]); keys, names and shapes in ``meta.pt`` are the global tensor's, so any tp
+degree, or none, reads them. The tp ranks of one data-parallel replica hold the same replicated
+tensors and write the same pieces of them: DCP keeps one copy.
+
 Who writes what: a partition's owner writes its pieces; a tensor every data-parallel rank holds
 whole (buffers, stage 0's masters, parameters no engine manages) is split evenly over the
 data-parallel ranks; with pipeline stages a tensor held by several stages (tied modules) is written
@@ -29,8 +35,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint.pieces import FlatPiece
+from lightning_zero.checkpoint.pieces import Block, FlatPiece
 from lightning_zero.comm.compressed import local_comm_state
+from lightning_zero.parallel.dtensor import local_block, local_tensor
 from lightning_zero.zero.engine import ZeroEngine
 
 WEIGHT_PREFIX = "state_dict."
@@ -81,6 +88,25 @@ class RankView:
         return out
 
 
+def tensor_block(t: Tensor) -> Block:
+    """Where this rank's piece of ``t`` lies in the global tensor (a DTensor's TP shard; else all of it)."""
+    shape, offset = local_block(t)
+    return Block(shape, offset, tuple(t.shape))
+
+
+def make_piece(source: Tensor, start: int, block: Block) -> FlatPiece:
+    """A piece of a rank's block to write: a TP-sharded tensor's in the global n-D shape, any other
+    tensor's flattened (pieces.py [Note: tensor-parallel pieces])."""
+    if block.is_whole:
+        return FlatPiece(source, start, block.numel)
+    return FlatPiece(source, start, block.numel, block, nd=True)
+
+
+def read_piece(source: Tensor, start: int, block: Block) -> FlatPiece:
+    """A piece of a rank's block to read; the caller adapts it to the stored form (``stored_as``)."""
+    return FlatPiece(source, start, block.numel, block)
+
+
 def even_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     """Rank ``rank``'s share of ``numel`` elements split evenly over ``size`` ranks (write side)."""
     return numel * rank // size, numel * (rank + 1) // size
@@ -112,7 +138,8 @@ def _flat_view(t: Tensor) -> Optional[Tensor]:
 
 def _own_weights(view: RankView, whole: bool) -> Iterator[tuple[str, Tensor, Optional[tuple[Tensor, int]]]]:
     """(key, tensor, piece) for every weight and buffer stored under its own (first) name: ``piece`` is
-    (master slice, start in the parameter) for a parameter an engine holds, None for everything else."""
+    (master slice, start in the parameter's local block) for a parameter an engine holds, None for
+    everything else. ``tensor``: the module's (a DTensor under tensor parallelism)."""
     managed = view.managed()
     canon = view.canonical_names()
     for name, t in view.named_tensors().items():
@@ -133,14 +160,16 @@ def weight_entries(view: RankView) -> dict[str, Any]:
     """This rank's share of the weights and buffers: ``state_dict.<name>`` -> FlatPiece."""
     out: dict[str, Any] = {}
     for key, t, piece in _own_weights(view, whole=False):
+        block = tensor_block(t)
         if piece is not None:
-            out[key] = FlatPiece(piece[0], piece[1], t.numel())
+            out[key] = make_piece(piece[0], piece[1], block)
             continue
-        lo, hi = even_range(t.numel(), view.dp_rank, view.dp_size)
+        lo, hi = even_range(block.numel, view.dp_rank, view.dp_size)
         if hi > lo:
-            flat = _flat_view(t)
-            flat = flat if flat is not None else t.detach().reshape(-1)
-            out[key] = FlatPiece(flat[lo:hi], lo, t.numel())
+            local = local_tensor(t)
+            flat = _flat_view(local)
+            flat = flat if flat is not None else local.detach().reshape(-1)
+            out[key] = make_piece(flat[lo:hi], lo, block)
     return out
 
 
@@ -177,9 +206,10 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
             if pname is None:
                 continue
             pieces = slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=False)
+            block = tensor_block(p)
             for key in flat_keys:
                 for start, mstart, length in pieces:
-                    out[f"{prefix}state.{pname}.{key}"] = FlatPiece(st[key][mstart : mstart + length], start, p.numel())
+                    out[f"{prefix}state.{pname}.{key}"] = make_piece(st[key][mstart : mstart + length], start, block)
             if any(start == 0 for start, _, _ in pieces):  # the owner of the first element writes the scalars
                 for key in scalar_keys:
                     value = st[key]
@@ -217,14 +247,16 @@ def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tens
     out: dict[str, Any] = {}
     after: list[tuple[Tensor, Tensor]] = []
     for key, t, piece in _own_weights(view, whole=True):
+        block = tensor_block(t)
         if piece is not None:
-            out[key] = FlatPiece(piece[0], piece[1], t.numel())
+            out[key] = read_piece(piece[0], piece[1], block)
             continue
-        flat = _flat_view(t)
+        local = local_tensor(t)
+        flat = _flat_view(local)
         if flat is None:
-            flat = torch.empty(t.numel(), dtype=t.dtype)
-            after.append((flat, t))
-        out[key] = FlatPiece(flat, 0, t.numel())
+            flat = torch.empty(local.numel(), dtype=local.dtype)
+            after.append((flat, local))
+        out[key] = read_piece(flat, 0, block)
     return out, after
 
 

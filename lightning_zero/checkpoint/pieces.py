@@ -1,5 +1,5 @@
-"""What one rank hands torch.distributed.checkpoint: ranges of flattened tensors, and the planners
-that find them again.
+"""What one rank hands torch.distributed.checkpoint: ranges of its tensors' flattenings, placed in the
+global tensor, and the planners that find them again.
 
 [Note: every tensor is stored flattened]
 A ZeRO partition cuts parameters at arbitrary element offsets (zero/partition.py), which no
@@ -9,6 +9,18 @@ each rank writes the contiguous range of elements it owns as one chunk. torch.di
 then does the resharding: a rank that owns a different range on load reads exactly the overlapping
 pieces of whatever chunks the writers produced, whatever their stage or world size.
 
+[Note: tensor-parallel pieces]
+Under tensor parallelism a rank holds a block of each TP-sharded parameter (a DTensor's local shard:
+its shape and offset in the global tensor, from torch's placement arithmetic), and ZeRO partitions the
+block's own flattening. A range of that flattening is not a range of the global flattening (a
+``Shard(1)`` block's rows are strided in the global tensor), so a TP-sharded tensor is stored in its
+global n-D shape instead, as DCP stores DTensors: the range splits into at most ``2 * ndim - 1``
+boxes, each contiguous in the block and rectangular in the global tensor (:func:`range_boxes`). Any
+layout reads it back: a tp-1 rank's range of the whole tensor is boxes too. Tensors nobody shards
+over tp keep the flat form, so checkpoints without tensor parallelism are unchanged; a TP rank reading
+such a flat tensor asks for its block as runs of the global flattening (:meth:`FlatPiece.stored_as`).
+The stored form of a key is in DCP's ``.metadata`` (its size), so the reader always knows which.
+
 ``FlatPiece`` speaks DCP's chunk protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``, as DTensor does), but is not a tensor, so the two planners below resolve
 it to its local storage themselves (DCP's own lookup only handles tensor subclasses).
@@ -16,8 +28,11 @@ it to its local storage themselves (DCP's own lookup only handles tensor subclas
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -25,50 +40,188 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Block:
+    """Where a rank's local tensor lies in the global one: a block of ``shape`` at ``offset`` (per dim)
+    in a tensor of ``size``. Without tensor parallelism the block is the whole tensor."""
+
+    shape: Shape
+    offset: Shape
+    size: Shape
+
+    @staticmethod
+    def whole(size: Sequence[int]) -> "Block":
+        size = tuple(int(s) for s in size)
+        return Block(size, (0,) * len(size), size)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_whole(self) -> bool:
+        return self.shape == self.size
+
+
+def range_boxes(shape: Sequence[int], lo: int, hi: int) -> Iterator[tuple[Shape, Shape]]:
+    """Elements ``[lo, hi)`` of the row-major flattening of a tensor of ``shape`` as boxes (offset,
+    sizes), in order, each contiguous in that flattening: a partial first slice, whole slices, a
+    partial last slice, recursively (at most ``2 * ndim - 1`` boxes)."""
+    shape = tuple(shape)
+    if hi <= lo:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = math.prod(shape[1:])
+    i0, r0 = divmod(lo, inner)
+    i1, r1 = divmod(hi, inner)
+    if i0 == i1 or (i1 == i0 + 1 and r1 == 0 and r0 > 0):  # inside one slice of dim 0
+        for off, sz in range_boxes(shape[1:], r0, r1 if i0 == i1 else inner):
+            yield (i0, *off), (1, *sz)
+        return
+    if r0:
+        for off, sz in range_boxes(shape[1:], r0, inner):
+            yield (i0, *off), (1, *sz)
+        i0 += 1
+    if i1 > i0:
+        yield (i0,) + (0,) * (len(shape) - 1), (i1 - i0, *shape[1:])
+    if r1:
+        for off, sz in range_boxes(shape[1:], 0, r1):
+            yield (i1, *off), (1, *sz)
+
+
+def _ravel(index: Sequence[int], size: Sequence[int]) -> int:
+    flat = 0
+    for i, n in zip(index, size):
+        flat = flat * n + i
+    return flat
+
+
+def _flat_runs(block: Block, offset: Shape, sizes: Shape) -> Iterator[tuple[int, int]]:
+    """A box of ``block`` (local ``offset``, ``sizes``; contiguous in the block) as runs (global flat
+    start, length) of the global tensor's flattening, in the box's element order."""
+    nd = len(sizes)
+    j = nd - 1  # a run spans dims j.. : dims after j whole in the global tensor, dim j any range
+    while j > 0 and sizes[j] == block.size[j]:
+        j -= 1
+    length = math.prod(sizes[j:])
+    for idx in _product(sizes[:j]):
+        glob = [block.offset[d] + offset[d] + (idx[d] if d < j else 0) for d in range(nd)]
+        yield _ravel(glob, block.size), length
+
+
+def _product(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
+    if not sizes:
+        yield ()
+        return
+    for i in range(sizes[0]):
+        for rest in _product(sizes[1:]):
+            yield (i, *rest)
+
 
 @dataclass
 class FlatPiece:
-    """Elements ``[start, start + source.numel())`` of a flattened tensor of ``numel`` elements,
-    held locally in ``source`` (1-D, contiguous; written from, or read into, in place)."""
+    """Elements ``[start, start + source.numel())`` of the flattening of a tensor of ``numel``
+    elements, held locally in ``source`` (1-D, contiguous; written from, or read into, in place).
+
+    ``block``: that tensor is a rank's block of a larger global tensor (a TP shard; [Note:
+    tensor-parallel pieces]); None: it is the whole tensor, 1-D of ``numel``. ``nd``: the global
+    tensor is stored in its n-D shape (``block.size``) rather than flattened."""
 
     source: Tensor
     start: int
     numel: int
+    block: Optional[Block] = None
+    nd: bool = False
 
     def __post_init__(self) -> None:
         if self.source.dim() != 1 or not self.source.is_contiguous():
             raise ValueError("FlatPiece.source must be a contiguous 1-D tensor")
         if not 0 <= self.start <= self.start + self.source.numel() <= self.numel:
             raise ValueError(f"piece [{self.start}, +{self.source.numel()}) outside a tensor of {self.numel}")
+        if self.block is not None and self.block.numel != self.numel:
+            raise ValueError(f"block {self.block} does not hold {self.numel} elements")
 
     @property
-    def chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([self.source.numel()]))
+    def stored_size(self) -> torch.Size:
+        """The size of the tensor as stored in the checkpoint."""
+        if self.block is None:
+            return torch.Size([self.numel])
+        return torch.Size(self.block.size if self.nd else [math.prod(self.block.size)])
+
+    def stored_as(self, size: Sequence[int]) -> "FlatPiece":
+        """This piece, to read from a tensor stored with ``size`` (n-D or flattened, [Note:
+        tensor-parallel pieces]); ValueError when that cannot be this piece's tensor."""
+        size = tuple(size)
+        block = self.block or Block.whole((self.numel,))
+        if len(block.size) > 1 and size == block.size:
+            return dataclasses.replace(self, block=block, nd=True)
+        if size == (math.prod(block.size),):
+            return dataclasses.replace(self, block=block, nd=False)
+        raise ValueError(f"stored with shape {list(size)}, this run's tensor has shape {list(block.size)}")
+
+    @cached_property
+    def chunks(self) -> list[tuple[ChunkStorageMetadata, int, int]]:
+        """(chunk of the stored tensor, start and end in ``source``), in order."""
+        n = self.source.numel()
+        if self.block is None or (self.block.is_whole and not self.nd):
+            return [(ChunkStorageMetadata(offsets=torch.Size([self.start]), sizes=torch.Size([n])), 0, n)]
+        out: list[tuple[ChunkStorageMetadata, int, int]] = []
+        pos = 0
+        for offset, sizes in range_boxes(self.block.shape, self.start, self.start + n):
+            if self.nd:
+                glob = torch.Size([o + b for o, b in zip(offset, self.block.offset)])
+                out.append((ChunkStorageMetadata(offsets=glob, sizes=torch.Size(sizes)), pos, pos + math.prod(sizes)))
+                pos += math.prod(sizes)
+                continue
+            for start, length in _flat_runs(self.block, offset, sizes):
+                last = out[-1] if out else None
+                if last is not None and last[0].offsets[0] + last[0].sizes[0] == start and last[2] == pos:
+                    merged = ChunkStorageMetadata(offsets=last[0].offsets, sizes=torch.Size([last[0].sizes[0] + length]))
+                    out[-1] = (merged, last[1], pos + length)
+                else:
+                    out.append((ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([length])), pos, pos + length))
+                pos += length
+        return out
+
+    @cached_property
+    def _by_offset(self) -> dict[tuple[int, ...], tuple[ChunkStorageMetadata, int, int]]:
+        return {tuple(c.offsets): (c, lo, hi) for c, lo, hi in self.chunks}
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         return [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([self.start])),
+                index=MetadataIndex(fqn, chunk.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=self.chunk,
+                    chunk=chunk,
                     properties=TensorProperties(dtype=self.source.dtype),
-                    size=torch.Size([self.numel]),
+                    size=self.stored_size,
                 ),
             )
+            for chunk, _, _ in self.chunks
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [self.chunk]
+        return [chunk for chunk, _, _ in self.chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
-        return self.source
+        """The part of ``source`` that the stored chunk at ``index.offset`` covers, in its shape."""
+        found = self._by_offset.get(tuple(index.offset) if index.offset is not None else (self.start,))
+        if found is None:
+            raise ValueError(f"{index.fqn}: this rank holds no chunk at {index.offset}")
+        chunk, lo, hi = found
+        return self.source[lo:hi].view(chunk.sizes)
 
 
 def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
     obj = state_dict.get(index.fqn)
     if isinstance(obj, FlatPiece):
-        return obj.source
+        return obj.__get_tensor_shard__(index)
     return None
 
 

@@ -21,6 +21,7 @@ tensors this rank holds; engines then refresh their 16-bit parameters from the m
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import logging
 import threading
@@ -104,6 +105,46 @@ def dcp_load(state: dict[str, Any], path: atomic.PathLike, group: Any, threads: 
         _rethrow(e)
 
 
+def _as_stored(piece: FlatPiece, md: Metadata, key: str, path: Any, what: str) -> FlatPiece:
+    """``piece`` adapted to how ``key`` is stored (flat or n-D: pieces.py [Note: tensor-parallel
+    pieces]); a ValueError naming the entry when its shape is not this run's (a different model)."""
+    smd = md.state_dict_metadata[key]
+    if not isinstance(smd, TensorStorageMetadata):
+        raise ValueError(f"Checkpoint {path}: {what} is not stored as a tensor.")
+    try:
+        return piece.stored_as(smd.size)
+    except ValueError as e:
+        raise ValueError(f"Checkpoint {path} cannot be loaded into this model: {what} {e}.") from None
+
+
+def _check_weights_match(view: L.RankView, saved: dict[str, Any], md: Metadata, path: Any, strict: bool,
+                         pipelined: bool) -> None:
+    """One clear error, raised alike on every rank before any collective read, when the checkpoint's
+    weights are not this model's: names (unless ``strict`` is off) and global shapes (always: a
+    different tensor-parallel or ZeRO layout never changes them; pieces.py [Note: tensor-parallel
+    pieces]). Only the module's names and global shapes are compared, which every rank shares (what a
+    rank holds differs with its partition and would let one rank fail while the others wait)."""
+    local = {n: t for n, t in view.named_tensors().items() if torch.is_tensor(t)}
+    missing = [n for n, t in local.items() if t.numel() and saved.get(n, {}).get("key", L.WEIGHT_PREFIX + n)
+               not in md.state_dict_metadata]
+    unexpected = [] if pipelined else [n for n in saved if n not in view.named_tensors()]
+    if strict and (missing or unexpected):
+        raise KeyError(
+            f"Checkpoint {path} does not match the model: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            " (LightningModule.strict_loading=False loads what matches)."
+        )
+    shapes = {n: (tuple(saved[n]["shape"]), tuple(t.shape)) for n, t in local.items()
+              if "shape" in saved.get(n, {}) and tuple(saved[n]["shape"]) != tuple(t.shape)}
+    if shapes:
+        listed = ", ".join(f"'{n}' saved {list(a)}, model {list(b)}" for n, (a, b) in list(shapes.items())[:5])
+        raise ValueError(
+            f"Checkpoint {path} cannot be loaded into this model: {len(shapes)} weight(s) differ in shape ({listed}"
+            f"{', ...' if len(shapes) > 5 else ''}). Shapes are the full tensors' whatever the tensor-parallel, "
+            "pipeline or ZeRO layout, so the model itself differs from the one that wrote the checkpoint."
+        )
+
+
 def _nbytes(entries: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(entries))
 
@@ -140,7 +181,7 @@ class _HostArena:
 
         for k, v in entries.items():
             if isinstance(v, FlatPiece):
-                out[k] = FlatPiece(copy_in(v.source.contiguous()), v.start, v.numel)
+                out[k] = dataclasses.replace(v, source=copy_in(v.source.contiguous()))
             elif torch.is_tensor(v):
                 out[k] = copy_in(v.contiguous())
             else:
@@ -356,25 +397,15 @@ class ShardedCheckpointer:
         meta = read_meta(path)["lightning_zero"]
         md = read_dcp_metadata(path)
         saved_weights: dict[str, Any] = meta["weights"]
+        _check_weights_match(view, saved_weights, md, path, strict, pipelined)
         with host_state():
             dests, after = L.weight_destinations(view)
             state: dict[str, Any] = {}
-            missing = []
             for key, piece in dests.items():
                 name = key[len(L.WEIGHT_PREFIX):]
                 skey = saved_weights.get(name, {}).get("key", key)
-                if skey not in md.state_dict_metadata:
-                    missing.append(name)
-                    continue
-                state[skey] = piece
-            local = set(view.named_tensors())
-            unexpected = [] if pipelined else [n for n in saved_weights if n not in local]
-            if strict and (missing or unexpected):
-                raise KeyError(
-                    f"Checkpoint {path} does not match the model: missing {missing[:5]}"
-                    f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-                    " (LightningModule.strict_loading=False loads what matches)."
-                )
+                if skey in md.state_dict_metadata:
+                    state[skey] = _as_stored(piece, md, skey, path, f"weight '{name}'")
             dcp_load(state, path, self.group, self.threads)
             for tmp, target in after:
                 with torch.no_grad():
@@ -392,13 +423,13 @@ class ShardedCheckpointer:
         md = read_dcp_metadata(path)
         with host_state():
             state: dict[str, Any] = {}
-            plans = [self._optimizer_plan(view, k, saved[k]["stages"], md, state) for k in range(len(view.optimizers))]
+            plans = [self._optimizer_plan(view, k, saved[k]["stages"], md, state, path) for k in range(len(view.optimizers))]
             dcp_load(state, path, self.group, self.threads)
             for plan in plans:
                 plan(state)
 
     def _optimizer_plan(self, view: L.RankView, k: int, stages: dict[int, list[dict[str, Any]]], md: Metadata,
-                        state: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+                        state: dict[str, Any], path: str) -> Callable[[dict[str, Any]], None]:
         """Add optimizer ``k``'s destinations to ``state``; return what installs them once read."""
         opt, engine = view.optimizers[k], view.engines[k]
         if engine is None:
@@ -427,7 +458,8 @@ class ShardedCheckpointer:
                 if key not in st:
                     st[key] = torch.zeros(fg.master.numel(), dtype=smd.properties.dtype, device=fg.master.device)
                 for start, mstart, length in pieces:
-                    state[skey] = FlatPiece(st[key][mstart : mstart + length], start, p.numel())
+                    piece = L.read_piece(st[key][mstart : mstart + length], start, L.tensor_block(p))
+                    state[skey] = _as_stored(piece, md, skey, path, f"optimizer {k} state '{key}' of '{name}'")
             for key in rec["scalar"]:
                 skey = f"{prefix}state.{name}.{key}"
                 if key in scalar_keys.setdefault(gi, {}) or skey not in md.state_dict_metadata:

@@ -96,20 +96,22 @@ class CheckpointMixin:
             self._checkpointer.wait()
 
     # ------------------------------------------------------------------ save
-    def _refuse_tensor_parallel(self) -> None:
-        """Checkpoints of DTensor (tensor-parallel) parameters are not built yet (issue #17, item 5):
-        the formats here key partitions by data-parallel rank and would mix the tp ranks' shards."""
+    def _refuse_tensor_parallel(self, what: str) -> None:
+        """The full format (one gathered state dict) of DTensor (tensor-parallel) parameters is not built
+        yet: its gathers run over the data-parallel ranks only. Sharded checkpoints handle TP shards
+        (pieces.py [Note: tensor-parallel pieces]) and consolidate offline to full tensors."""
         dims = self.dims  # type: ignore[attr-defined]
         if dims is not None and dims.tp > 1:
             raise NotImplementedError(
-                f"Checkpoints with tensor_parallel={dims.tp} are not built yet (sharded save/load of DTensor "
-                "parameters is issue #17's next part): disable checkpointing (enable_checkpointing=False) for now."
+                f"{what} with tensor_parallel={dims.tp} is not built yet: use checkpoint_format='sharded' (the "
+                "default), which saves and resumes tensor-parallel runs on any layout; `python -m "
+                "lightning_zero.checkpoint consolidate DIR` makes one full file of it."
             )
 
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
-        self._refuse_tensor_parallel()
+        self._refuse_tensor_parallel("A full state dict (checkpoint_format='full', full_state_dict())")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         state = module.state_dict()
@@ -132,21 +134,19 @@ class CheckpointMixin:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
         gathered); full format: :meth:`full_state_dict`."""
-        self._refuse_tensor_parallel()
         if self._sharded():
             return ShardedStateDict()
         return self.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        self._refuse_tensor_parallel()
         if self._sharded():
             return ShardedOptimizerState([id(o) for o in self.optimizers].index(id(optimizer)))  # type: ignore[attr-defined]
         return self._full_optimizer_state(optimizer)
 
     def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """torch's per-parameter format, gathered from the partitions (collective)."""
-        self._refuse_tensor_parallel()
+        self._refuse_tensor_parallel("A full optimizer state (checkpoint_format='full')")
         engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
         if engine is None:
             return optimizer.state_dict()
@@ -156,7 +156,6 @@ class CheckpointMixin:
         return pipeline.gather_optimizer_state(state) if pipeline is not None else state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        self._refuse_tensor_parallel()
         if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
             if storage_options is None and atomic.Path(filepath).is_dir():
                 raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
@@ -176,6 +175,7 @@ class CheckpointMixin:
             "world_size": C.world_size(),
             "dp": dims.dp if dims is not None else 1,
             "pp": dims.pp if dims is not None else 1,
+            "tp": dims.tp if dims is not None else 1,
             "offload_optimizer": cfg.offload_optimizer,
             "offload_params": cfg.offload_params,
             "global_step": checkpoint.get("global_step"),
@@ -190,7 +190,6 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory: its ``meta.pt`` (Lightning's entries) with markers for the weights and
         optimizer states, read later piece by piece; a file: the usual ``torch.load``."""
-        self._refuse_tensor_parallel()
         path = Path(checkpoint_path)
         if atomic.is_sharded_checkpoint(path):
             meta = read_meta(path)
@@ -226,6 +225,7 @@ class CheckpointMixin:
 
     def _load_full_weights(self, sd: Mapping[str, Any], strict: bool) -> None:
         """A full state dict into the module and the engines' masters (stage 3: the masters only)."""
+        self._refuse_tensor_parallel("Loading a full checkpoint file")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
@@ -259,6 +259,7 @@ class CheckpointMixin:
 
     def _load_full_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> None:
         """torch's per-parameter format into the partitions this rank holds."""
+        self._refuse_tensor_parallel("Loading a full checkpoint file's optimizer state")
         pipeline = self._pipeline  # type: ignore[attr-defined]
         if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
             state = pipeline.local_optimizer_state(state)

@@ -68,7 +68,6 @@ class FabricCheckpointMixin:
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        self._refuse_tensor_parallel()  # type: ignore[attr-defined]
         if not self._sharded():  # type: ignore[attr-defined]
             if storage_options is None and atomic.Path(path).is_dir():
                 raise IsADirectoryError(f"{path} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
@@ -109,7 +108,6 @@ class FabricCheckpointMixin:
         strict: bool = True,
         weights_only: Optional[bool] = None,
     ) -> dict[str, Any]:
-        self._refuse_tensor_parallel()  # type: ignore[attr-defined]
         if atomic.is_sharded_checkpoint(Path(path)):
             return self._load_sharded(Path(path), state, strict)
         if Path(path).is_dir():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -49,3 +50,13 @@ def grad_like(param: Tensor, local: Tensor) -> Tensor:
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
+
+
+def local_block(t: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset in the global tensor) of this rank's piece of ``t``, from torch's placement
+    arithmetic for a DTensor (as DCP's chunk metadata uses it); the whole tensor otherwise. Checkpoints
+    place a TP shard's pieces with it (checkpoint/pieces.py [Note: tensor-parallel pieces])."""
+    if not isinstance(t, DTensor):
+        return tuple(t.shape), (0,) * t.dim()
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(shape), tuple(offset)

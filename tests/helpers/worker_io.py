@@ -18,7 +18,12 @@ import torch.distributed as dist
 def save_result(result: dict[str, Any], per_rank: dict[str, Any], out: str, name: str) -> None:
     """Collective: gather ``per_rank`` from every rank into ``result["per_rank"]`` (rank order) and
     save ``result`` as ``OUT/<name>.pt`` on rank 0. Written to a temporary file and renamed, so a
-    reader never sees a half-written file (a worker that dies while saving leaves none)."""
+    reader never sees a half-written file (a worker that dies while saving leaves none). One process
+    without a process group (a single-device run) saves its own figures."""
+    if not dist.is_initialized():
+        result["per_rank"] = [per_rank]
+        save_atomic(result, os.path.join(out, f"{name}.pt"))
+        return
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, per_rank)
     if dist.get_rank() == 0:
