@@ -159,7 +159,7 @@ def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:
     if s.offload_params == "cpu":
         total += c * S
     elif s.offload_params == "nvme":
-        total += (w.prefetch_units + 2) * c * w.unit / w.ranks  # read-ahead staging of unit chunks
+        total += (2 * w.prefetch_units + 2) * c * w.unit / w.ranks  # read-ahead ring of unit chunks (params.ring_depth)
     return total
 
 

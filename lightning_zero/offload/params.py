@@ -6,20 +6,21 @@ and all-gathers a unit just before it runs. With ``offload_params='cpu'`` the ch
 host memory; the engine's ``_gather_source`` copies one unit's chunk to the device (asynchronously,
 on the stream the all-gather then waits on) right before its all-gather, so prefetching a unit
 prefetches its copy too and the device holds only the gathered working set. With 'nvme' each
-(param group, unit) chunk is one swap file; a unit's file is read into a pinned staging buffer
-(read ahead for the units the prefetch will ask for next), checked, then copied the same way.
-After the optimizer step the updated 16-bit chunks are written back to host memory or to the files.
+(param group, bucket) chunk is one swap file; it is read into a pinned slot of the store's
+read-ahead ring (ring.py: read ahead for the units the prefetch will ask for next), checked, then
+copied the same way; the slot is reused once that copy has finished. After the optimizer step the
+updated 16-bit chunks are written back to host memory or, through the same ring, to the files.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.offload.nvme import NvmeSwapper, SwapOp
-from lightning_zero.offload.pinned import aligned_empty
+from lightning_zero.offload.ring import ReadAheadRing, Slot
 from lightning_zero.offload.swap_state import SwappedStore, make_placeholder, make_resident
 from lightning_zero.zero.sharded_group import ShardedParamGroup
 
@@ -27,11 +28,14 @@ from lightning_zero.zero.sharded_group import ShardedParamGroup
 class NvmeParamStore(SwappedStore):
     """16-bit parameter chunks of stage-3 units in swap files ``g<group>.b<bucket>.param16.swap``."""
 
-    def __init__(self, swapper: NvmeSwapper, groups: list[ShardedParamGroup], pin: bool) -> None:
+    def __init__(self, swapper: NvmeSwapper, groups: list[ShardedParamGroup], pin: bool, depth: int) -> None:
+        """``depth``: slots of the read-ahead ring, :func:`ring_depth` of the engine's prefetch."""
         self.swapper = swapper
         self.groups = groups
         self.pin = pin
-        self._reads: dict[tuple[int, int], tuple[SwapOp, Tensor]] = {}
+        self.ring = ReadAheadRing(depth, pin=pin)
+        self._taken: dict[tuple[int, int], Slot] = {}
+        """Chunks handed out by ``host_chunk`` whose device copy has not been released yet."""
         self._depth = 0
         self.resident = False
         self.fetched_bytes = 0
@@ -48,11 +52,23 @@ class NvmeParamStore(SwappedStore):
         return self.resident or self._depth > 0
 
     # ---------------------------------------------------------------- writing
-    def write(self, gi: int, bi: int, src: Tensor) -> SwapOp:
-        """Start writing one bucket chunk (``src``: its values, any host tensor) to its file."""
-        staging = aligned_empty(src.numel(), src.dtype)
+    def _read_into(self, gi: int, bi: int) -> Any:
+        """The ring's ``start`` for chunk (gi, bi): read its file into the slot's view."""
+
+        def start(slot: Slot) -> list[SwapOp]:
+            (view,) = slot.views([(self.groups[gi].compute_dtype, self._chunk(gi, bi)[1])])
+            return [self.swapper.read(self.name(gi, bi), view)]
+
+        return start
+
+    def write(self, gi: int, bi: int, src: Tensor) -> None:
+        """Start writing one bucket chunk (``src``: its values, any host tensor) to its file, from a ring
+        slot that is reused once the write has finished."""
+        self.ring.evict((gi, bi))  # a read-ahead of the old values is stale now
+        slot = self.ring.acquire()
+        (staging,) = slot.views([(src.dtype, src.numel())])
         staging.copy_(src)
-        return self.swapper.write(self.name(gi, bi), staging)  # the pending write keeps staging alive
+        self.ring.release(slot, [self.swapper.write(self.name(gi, bi), staging)])
 
     def write_group(self, gi: int, src: Tensor) -> None:
         """All bucket chunks of group ``gi`` from a shard-shaped host tensor (after the step)."""
@@ -61,13 +77,10 @@ class NvmeParamStore(SwappedStore):
             assert fg.shard16 is not None
             fg.shard16.copy_(src)
             return
-        ops = []
         for bi in range(len(self.groups[gi].layout.buckets)):
             off, n = self._chunk(gi, bi)
-            self._drop_read((gi, bi))  # a read-ahead of the old values is stale now
-            ops.append(self.write(gi, bi, src[off : off + n]))
-        for op in ops:
-            op.wait()
+            self.write(gi, bi, src[off : off + n])
+        self.ring.drain()  # every file complete (and its checksum recorded) before anything reads it
 
     def swap_out(self) -> None:
         """After the engine filled ``shard16``: write every chunk and free the host copies."""
@@ -82,40 +95,33 @@ class NvmeParamStore(SwappedStore):
         if self._in_memory():
             return
         for key in keys:
-            if key in self._reads:
-                continue
-            off, n = self._chunk(*key)
-            staging = aligned_empty(n, self.groups[key[0]].compute_dtype, pin=self.pin)
-            self._reads[key] = (self.swapper.read(self.name(*key), staging), staging)
+            self.ring.read_ahead(key, self._read_into(*key))
 
     def host_chunk(self, gi: int, bi: int) -> Tensor:
-        """The chunk in host memory (pinned staging when read from its file; checksum verified)."""
+        """The chunk in host memory (a pinned ring slot when read from its file; checksum verified).
+        A chunk read from its file must be given back with :meth:`release` once copied."""
         fg = self.groups[gi]
         off, n = self._chunk(gi, bi)
         if self._in_memory():
             assert fg.shard16 is not None
             return fg.shard16[off : off + n]
-        if (gi, bi) not in self._reads:
-            self.prefetch([(gi, bi)])
-        op, staging = self._reads.pop((gi, bi))
-        op.wait()
+        slot = self.ring.take((gi, bi), self._read_into(gi, bi))
+        self._taken[(gi, bi)] = slot
+        (staging,) = slot.views([(fg.compute_dtype, n)])
         self.fetched_bytes += staging.numel() * staging.element_size()
         return staging
 
-    def _drop_read(self, key: tuple[int, int]) -> None:
-        """Forget a read-ahead, after it finished: its threads write into the staging buffer and use
-        the file's descriptor until then (dropping it early freed the buffer under them and leaked
-        the descriptor; rewriting the file truncated it under the read)."""
-        pending = self._reads.pop(key, None)
-        if pending is not None:
-            try:
-                pending[0].wait()
-            except Exception:  # a stale read-ahead's error does not matter; the next real read reports it
-                pass
+    def release(self, gi: int, bi: int, done: Any = None) -> None:
+        """``host_chunk``'s slot back to the ring; ``done`` (a CUDA event after the device copy out
+        of it) is waited for before the slot is reused. A no-op for chunks served from memory."""
+        slot = self._taken.pop((gi, bi), None)
+        if slot is not None:
+            self.ring.release(slot, done=done)
 
     def drop_reads(self) -> None:
-        for key in list(self._reads):
-            self._drop_read(key)
+        """Forget every read-ahead (after its I/O finished: its threads use the slot and the file's
+        descriptor until then; rewriting the file would truncate it under the read)."""
+        self.ring.evict_all()
 
     # ---------------------------------------------------------------- whole partitions
     def _swap_in_all(self) -> None:
@@ -132,9 +138,28 @@ class NvmeParamStore(SwappedStore):
             make_resident(fg.shard16)
             for bi in range(len(fg.layout.buckets)):
                 off, n = self._chunk(gi, bi)
-                staging = aligned_empty(n, fg.compute_dtype)
-                self.swapper.read(self.name(gi, bi), staging).wait()
+                slot = self.ring.take((gi, bi), self._read_into(gi, bi))
+                (staging,) = slot.views([(fg.compute_dtype, n)])
                 fg.shard16[off : off + n].copy_(staging)
+                self.ring.release(slot)
+
+
+def ring_depth(buckets_per_unit: int, prefetch_units: int) -> int:
+    """Slots the parameter store's ring needs so that no read-ahead is evicted before its gather:
+    the engine reads ahead the ``prefetch_units`` units after the next ones as well (sharded.py
+    ``_prefetch``), so ``2 * prefetch_units`` units are ahead while one is being copied; one slot per
+    bucket chunk of each (``buckets_per_unit``: the most any unit has), plus one for a write-back."""
+    return (2 * max(0, prefetch_units) + 1) * max(1, buckets_per_unit) + 1
+
+
+def copy_done(device: torch.device) -> Any:
+    """An event after the copies issued so far on ``device``'s current stream (None off CUDA, where
+    :func:`stage_to_device` copies synchronously)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def stage_to_device(host: Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:

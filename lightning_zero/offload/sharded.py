@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.offload.engine import OffloadMixin
-from lightning_zero.offload.params import NvmeParamStore, stage_to_device
+from lightning_zero.offload.params import NvmeParamStore, copy_done, ring_depth, stage_to_device
 
 
 class ParamOffloadMixin(OffloadMixin):
@@ -39,7 +39,9 @@ class ParamOffloadMixin(OffloadMixin):
         self._param_store: Optional[NvmeParamStore] = None
         if self.offload.offload_params == "nvme":  # swapped out before the host buffers are allocated
             assert self._swapper is not None
-            self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin)
+            per_unit = max((len(u.buckets) for u in self.units), default=1)  # type: ignore[attr-defined]
+            depth = ring_depth(per_unit, self.prefetch_units)  # type: ignore[attr-defined]
+            self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin, depth)
             self._param_store.swap_out()
         super()._setup_offload()
 
@@ -49,12 +51,12 @@ class ParamOffloadMixin(OffloadMixin):
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
         store = getattr(self, "_param_store", None)
-        if store is not None:
-            host = store.host_chunk(gi, bi)
-        else:
+        if store is None:
             assert fg.shard16 is not None
-            host = fg.shard16[b.shard_offset : b.shard_offset + b.chunk]
-        return stage_to_device(host, self.device)
+            return stage_to_device(fg.shard16[b.shard_offset : b.shard_offset + b.chunk], self.device)
+        out = stage_to_device(store.host_chunk(gi, bi), self.device)
+        store.release(gi, bi, done=copy_done(self.device))  # the slot is reused after this copy
+        return out
 
     def _prefetch(self, upcoming: Iterable[int]) -> None:
         upcoming = list(upcoming)

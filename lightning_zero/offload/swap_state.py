@@ -3,10 +3,10 @@
 [Note: the chunk pipeline]
 Each param group's shard is cut into chunks of ``chunk_numel`` elements; chunk ``c`` of the master
 and of every optimizer state is one swap file (``g<group>.c<chunk>.<key>.swap``). The Adam step
-walks the chunks through a ring of three host buffer sets: while chunk ``c`` is stepped in slot
-``c % 3``, chunk ``c + 1`` is being read into the next slot and chunk ``c - 1`` written from the
-previous one, so disk reads, CPU math and disk writes overlap (a slot is reused only after its
-write has finished). The step waits for its last writes before returning: when ``step()`` is done
+walks the chunks through a read-ahead ring of three slots (ring.py, shared with the parameter
+store): while chunk ``c`` is stepped in one slot, chunk ``c + 1`` is being read into the next and
+chunk ``c - 1`` written from the previous one, so disk reads, CPU math and disk writes overlap (a
+slot is reused only after its write has finished). The step waits for its last writes before returning: when ``step()`` is done
 every swap file is complete and its checksum recorded.
 
 Between steps the master tensors (the optimizer's parameters) and the optimizer's state tensors are
@@ -18,15 +18,17 @@ a checkpoint load replaced the optimizer's state dict).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Iterable, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 from torch import Tensor
 
 from lightning_zero.offload.nvme import NvmeSwapper, SwapOp
 from lightning_zero.offload.pinned import aligned_empty
+from lightning_zero.offload.ring import ReadAheadRing, Slot
 
 RING = 3
+"""Slots of the optimizer store's ring: the chunk being stepped, the next one being read, the last one being written."""
 
 
 def make_placeholder(t: Tensor) -> Tensor:
@@ -120,8 +122,7 @@ class NvmeOptimizerStore(SwappedStore):
         """(group, chunk) kept in host memory (``fraction`` < 1): stepped in place, never swapped."""
         self._mem: dict[tuple[int, int, str], Tensor] = {}
         self._has_state = [False] * len(masters)
-        self._bufs: dict[tuple[int, str, torch.dtype], Tensor] = {}
-        self._slot_ops: dict[int, list[SwapOp]] = {s: [] for s in range(RING)}
+        self.ring = ReadAheadRing(RING)
         self._depth = 0
         self.resident = False
         """True after ``keep_in_memory``: everything lives in host memory, the files are gone."""
@@ -151,36 +152,12 @@ class NvmeOptimizerStore(SwappedStore):
     def name(gi: int, ci: int, key: str) -> str:
         return f"g{gi}.c{ci}.{key}"
 
-    def _buf(self, slot: int, key: str, dtype: torch.dtype) -> Tensor:
-        k = (slot, key, dtype)
-        if k not in self._bufs:
-            self._bufs[k] = aligned_empty(self.chunk_numel, dtype)
-        return self._bufs[k]
-
     def buffer_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
-
-    def _claim(self, slot: int) -> None:
-        """Wait until the slot's previous reads/writes are done (and their checksums recorded)."""
-        ops, self._slot_ops[slot] = self._slot_ops[slot], []
-        for op in ops:
-            op.wait()
+        return self.ring.nbytes()
 
     def flush(self) -> None:
-        for slot in range(RING):
-            self._claim(slot)
-
-    def _settle(self, ops: Iterable[Optional[SwapOp]]) -> None:
-        """After a failure: let every outstanding read/write finish (their threads use the ring buffers
-        and hold file descriptors until then), ignoring their own errors; the first one is raised."""
-        for op in [*ops, *(o for slot in range(RING) for o in self._slot_ops[slot])]:
-            if op is None:
-                continue
-            try:
-                op.wait()
-            except Exception:  # noqa: BLE001 - the error being raised already says what failed
-                pass
-        self._slot_ops = {slot: [] for slot in range(RING)}
+        """Wait for every write (and its checksum): afterwards every swap file is complete."""
+        self.ring.drain()
 
     # ---------------------------------------------------------------- whole tensors
     def write_full(self, gi: int, key: str, t: Tensor) -> None:
@@ -192,29 +169,27 @@ class NvmeOptimizerStore(SwappedStore):
             if (gi, ci) in self.in_memory:
                 self._mem_chunk(gi, ci, key, t.dtype).copy_(flat[lo:hi])
                 continue
-            slot = ci % RING
-            self._claim(slot)
-            buf = self._buf(slot, "io", t.dtype)[: hi - lo]
+            slot = self.ring.acquire()
+            (buf,) = slot.views([(t.dtype, hi - lo)])
             buf.copy_(flat[lo:hi])
-            self._slot_ops[slot].append(self.swapper.write(self.name(gi, ci, key), buf))
+            self.ring.release(slot, [self.swapper.write(self.name(gi, ci, key), buf)])
         self.flush()
 
     def read_full(self, gi: int, key: str, t: Tensor) -> None:
         """Read a tensor's chunk files into it (zeros where it was never written)."""
         flat = t.reshape(-1)
         chunks = self.chunks[gi]
-        pending: dict[int, Optional[SwapOp]] = {}
+        pending: dict[int, tuple[Optional[Slot], Optional[Tensor], Optional[SwapOp]]] = {}
 
         def start(ci: int) -> None:
             if (gi, ci) in self.in_memory:
-                pending[ci] = None
+                pending[ci] = (None, None, None)
                 return
-            slot = ci % RING
-            self._claim(slot)
+            slot = self.ring.acquire()
             lo, hi = chunks[ci]
             name = self.name(gi, ci, key)
-            buf = self._buf(slot, "io", t.dtype)[: hi - lo]
-            pending[ci] = self.swapper.read(name, buf) if self.swapper.has(name) else None
+            (buf,) = slot.views([(t.dtype, hi - lo)])
+            pending[ci] = (slot, buf, self.swapper.read(name, buf) if self.swapper.has(name) else None)
 
         try:
             for ci in range(min(RING - 1, len(chunks))):
@@ -222,16 +197,19 @@ class NvmeOptimizerStore(SwappedStore):
             for ci, (lo, hi) in enumerate(chunks):
                 if ci + RING - 1 < len(chunks):
                     start(ci + RING - 1)
-                op = pending.pop(ci)
-                if (gi, ci) in self.in_memory:
+                slot, buf, op = pending[ci]
+                if slot is None:
                     flat[lo:hi].copy_(self._mem_chunk(gi, ci, key, t.dtype))
                 elif op is None:
                     flat[lo:hi].zero_()
                 else:
                     op.wait()
-                    flat[lo:hi].copy_(self._buf(ci % RING, "io", t.dtype)[: hi - lo])
+                    flat[lo:hi].copy_(buf)
+                del pending[ci]
+                if slot is not None:
+                    self.ring.release(slot)
         except BaseException:
-            self._settle(pending.values())
+            self.ring.settle(op for _, _, op in pending.values())
             raise
 
     def swap_out_masters(self) -> None:
@@ -254,54 +232,50 @@ class NvmeOptimizerStore(SwappedStore):
         keys = ("master", "exp_avg", "exp_avg_sq")
         chunks = self.chunks[gi]
         fresh_state = not self._has_state[gi]
-        reads: dict[int, list[SwapOp]] = {}
+        reads: dict[int, tuple[Optional[Slot], list[Tensor], list[SwapOp]]] = {}
 
         def start_read(ci: int) -> None:
             if (gi, ci) in self.in_memory:
-                reads[ci] = []
+                reads[ci] = (None, [self._mem_chunk(gi, ci, k) for k in keys], [])
                 return
-            slot = ci % RING
-            self._claim(slot)
+            slot = self.ring.acquire()
             lo, hi = chunks[ci]
+            bufs = slot.views([(torch.float32, hi - lo)] * len(keys))
             ops = []
-            for key in keys:
-                buf = self._buf(slot, key, torch.float32)[: hi - lo]
+            for key, buf in zip(keys, bufs):
                 if key != "master" and fresh_state:
                     buf.zero_()
                 else:
                     ops.append(self.swapper.read(self.name(gi, ci, key), buf))
-            reads[ci] = ops
+            reads[ci] = (slot, bufs, ops)
 
         try:
             self._step_chunks(gi, grad, out, update, chunks, keys, reads, start_read, limit)
         except BaseException:
-            self._settle(op for ops in reads.values() for op in ops)
+            self.ring.settle(op for _, _, ops in reads.values() for op in ops)
             raise
         self._has_state[gi] = True
         self.flush()
 
     def _step_chunks(self, gi: int, grad: Tensor, out: Optional[Tensor], update: AdamFn, chunks: list,
-                     keys: tuple[str, ...], reads: dict[int, list[SwapOp]], start_read: Any,
-                     limit: Optional[int] = None) -> None:
+                     keys: tuple[str, ...], reads: dict[int, tuple[Optional[Slot], list[Tensor], list[SwapOp]]],
+                     start_read: Any, limit: Optional[int] = None) -> None:
         start_read(0)
         for ci, (lo, hi) in enumerate(chunks):
             if ci + 1 < len(chunks):
                 start_read(ci + 1)  # overlaps this chunk's math and the previous chunk's write
-            for op in reads[ci]:  # popped once all are done: a failure settles the rest (adam_step)
+            slot, (m, ea, eas), ops = reads[ci]
+            for op in ops:  # popped once all are done: a failure settles the rest (adam_step)
                 op.wait()
             del reads[ci]
-            slot = ci % RING
-            mem = (gi, ci) in self.in_memory
-            m, ea, eas = (self._mem_chunk(gi, ci, k) if mem else self._buf(slot, k, torch.float32)[: hi - lo]
-                          for k in keys)
             k = (hi if limit is None else max(lo, min(hi, limit))) - lo  # elements of this chunk to step
             if k:
                 out16 = out[lo : lo + k] if out is not None and out.dtype != torch.float32 else None
                 update(m[:k], grad[lo : lo + k], ea[:k], eas[:k], out16)
                 if out is not None and out16 is None:
                     out[lo : lo + k].copy_(m[:k])
-            if not mem:
-                self._slot_ops[slot] = [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))]
+            if slot is not None:
+                self.ring.release(slot, [self.swapper.write(self.name(gi, ci, k), b) for k, b in zip(keys, (m, ea, eas))])
 
     # ---------------------------------------------------------------- checkpoints and other readers
     def _state_keys(self, gi: int) -> list[str]:

@@ -100,8 +100,9 @@ class HostBytes(pl.Callback):
         host += [t for ups in e._uploads for t in ups]
         if e.offload.offload_params == "cpu":
             host += [fg.shard16 for fg in e.groups]
-        if e._opt_store is not None:
-            host += [b for (slot, key, dtype), b in e._opt_store._bufs.items() if key != "io"]
+        for store in (e._opt_store, getattr(e, "_param_store", None)):  # the NVMe stores' read-ahead rings
+            if store is not None:
+                host += [slot.arena for slot in store.ring.slots if slot.arena is not None]
         self.host = storage_bytes(host)
         swap = e.swap_dir()
         self.nvme = sum(p.stat().st_size for p in Path(swap).glob("*.swap")) if swap else 0
