@@ -174,7 +174,8 @@ class ZeroConfig:
     host), by torch's own tools: ``configure_model`` calls ``parallelize_module(module,
     self.device_mesh["tp"], plan)`` (ready plans in :mod:`lightning_zero.parallel`). ZeRO then partitions
     each rank's TP shard over the data-parallel ranks; world size = data-parallel degree x
-    pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-2 for now."""
+    pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-3; not yet with offload
+    or pipeline stages."""
 
     expert_parallel: int = 1
     """Mixture of Experts (issue #20): experts of every :class:`lightning_zero.moe.MoE` layer are split
@@ -281,11 +282,6 @@ class ZeroConfig:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {tp!r}.")
         if tp == 1:
             return
-        if self.stage == 3:
-            raise ValueError(
-                f"tensor_parallel={tp} with ZeRO stage 3 is not built yet: use stage 0, 1 or 2 (which partition "
-                "optimizer states and gradients of each rank's TP shard over the data-parallel ranks)."
-            )
         if self.offloads:
             raise ValueError(f"tensor_parallel={tp} with offload_optimizer/offload_params is not built yet.")
         if self.pipeline_stages > 1:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.flat_group import BufferFactory, ShardViews
 from lightning_zero.zero.partition import FlatLayout
 
@@ -63,12 +64,14 @@ class ShardedParamGroup(ShardViews):
 
     def adopt(self, bucket_index: int) -> None:
         """Take the current (full) values of the bucket's parameters into the shards, then make every
-        parameter a view into the (released) full buffer. Called once per bucket, unit by unit."""
+        parameter a view into the (released) full buffer. Called once per bucket, unit by unit. A DTensor
+        parameter's local TP shard is what is partitioned and viewed (parallel/dtensor.py [Note: ZeRO
+        sees the local TP shard])."""
         b = self.layout.buckets[bucket_index]
         lo, hi = b.chunk_range(self.shard)
         for si in b.slots:
             slot = self.layout.slots[si]
-            p = self.params[slot.index]
+            p = local_tensor(self.params[slot.index])
             a, z = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < z:
                 src = p.detach().reshape(-1)[a - slot.offset : z - slot.offset]
@@ -79,7 +82,7 @@ class ShardedParamGroup(ShardViews):
         buf = self.allocate(bucket_index)  # views can only be cut from allocated storage
         for si in b.slots:
             slot = self.layout.slots[si]
-            p = self.params[slot.index]
+            p = local_tensor(self.params[slot.index])
             p.data = buf[slot.offset - b.start : slot.offset - b.start + slot.numel].view(p.shape)
         self.free(bucket_index)
 

@@ -14,6 +14,11 @@ What is new over stage 2 (stage2.py), in the order it happens:
 * step: the fp32 master shard steps; the 16-bit shard is refreshed from it; nothing is all-gathered
   (the next forward gathers), except persistent units, which stay gathered and are refreshed here.
 
+Tensor parallelism: as under stages 1 and 2, a DTensor parameter's local TP shard is what a unit's
+buckets flatten, partition over the data-parallel ranks, gather and release (parallel/dtensor.py
+[Note: ZeRO sees the local TP shard]); a TP model built on the meta device is materialised like any
+other, shard by shard (materialize.py).
+
 [Note: frozen parameters]
 Parameters no optimizer steps (``requires_grad=False``, or in no optimizer: the frozen base of a LoRA
 fine-tune) are partitioned and gathered with their unit like the others, in one extra
@@ -48,6 +53,7 @@ from torch import Tensor, nn
 from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
@@ -135,7 +141,8 @@ class Stage3Engine(Stage2Engine):
         """Flat group ``gi``'s parameter-gather group (index as in ``all_groups``)."""
         for gi, (params, kwargs, is_frozen, comm, pi) in enumerate(builds):
             keys = [owner[id(p)] for p in params]
-            layout, bucket_of = build_grouped_layout([p.numel() for p in params], keys, order, comm.size, align=8)
+            sizes = [local_tensor(p).numel() for p in params]  # a DTensor's TP shard (parallel/dtensor.py)
+            layout, bucket_of = build_grouped_layout(sizes, keys, order, comm.size, align=8)
             fg = ShardedParamGroup(params, layout, comm.rank, self.compute_dtype, self.device, **kwargs)
             if not is_frozen:
                 self.comms.append(comm)
@@ -482,7 +489,7 @@ class Stage3Engine(Stage2Engine):
         for fg in self.all_groups:
             full = gather_flat(self, fg, fg.master)
             for slot in fg.layout.slots:
-                p = fg.params[slot.index]
+                p = local_tensor(fg.params[slot.index])
                 p.data = full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone()
         self._gathered.clear()
         self._pending.clear()
@@ -494,7 +501,7 @@ def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
     sharded = {id(p) for p in engine.sharded_params()}
 
     def guard(module: nn.Module, args: Any) -> None:
-        if any(id(p) in sharded and p.untyped_storage().nbytes() == 0 for p in module.parameters(recurse=False)):
+        if any(id(p) in sharded and local_tensor(p).untyped_storage().nbytes() == 0 for p in module.parameters(recurse=False)):
             raise RuntimeError(
                 f"{type(module).__name__}'s parameters are partitioned by ZeRO stage 3 and not gathered here. "
                 "Call the model inside the Trainer, or wrap the call in "

@@ -34,7 +34,7 @@ def test_rank_layout_is_pipeline_major_tp_innermost() -> None:
 
 
 @pytest.mark.parametrize("options,what", [
-    ({"stage": 3}, "stage 3"), ({"stage": 2, "offload_optimizer": "cpu"}, "offload"),
+    ({"stage": 3, "offload_params": "cpu"}, "offload"), ({"stage": 2, "offload_optimizer": "cpu"}, "offload"),
     ({"stage": 1, "pipeline_stages": 2}, "pipeline_stages"),
 ])
 def test_not_built_yet_is_refused(options: dict, what: str) -> None:

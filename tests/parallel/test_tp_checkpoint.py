@@ -1,9 +1,9 @@
 """Sharded checkpoints of tensor parallel x ZeRO resume on other layouts (CPU, gloo, fp32; issue #17 item 5).
 
-The writers: HF Llama (tp_worker.py's), dp 2 x tp 2 on 4 processes, ZeRO stages 1 and 2, 2 epochs of 3
+The writers: HF Llama (tp_worker.py's), dp 2 x tp 2 on 4 processes, ZeRO stages 1, 2 and 3, 2 epochs of 3
 fixed global batches, ModelCheckpoint at each epoch's end (the Trainer's own path). Their step-3
 directories are resumed on 2 processes (dp 2 x tp 1 under stages 1, 2 and 3), on 1 process (stages 1
-and 2), by Fabric on dp 1 x tp 2, and a dp 2 x tp 1 re-save on dp 1 x tp 2 (a flat checkpoint read into
+and 2; the stage-3 writer's too), by Fabric on dp 1 x tp 2, and a dp 2 x tp 1 re-save on dp 1 x tp 2 (a flat checkpoint read into
 TP shards). Checked:
 
 * the weights each resumed run starts from equal the writer's at the save, bit for bit;
@@ -31,7 +31,7 @@ WORKER = "tests/parallel/tp_ckpt_worker.py"
 STEP3 = "epoch=0-step=3.ckpt"
 LOSS_TOL = 1e-6
 RESUMES = {  # resumed run -> its writer
-    "r1": "s1", "r2": "s2", "r3": "s2", "one1": "s1", "one2": "s2", "back": "s1",
+    "r1": "s1", "r2": "s2", "r3": "s2", "one1": "s1", "one2": "s2", "back": "s1", "r3to1": "s3", "one3": "s3",
 }
 
 
@@ -43,17 +43,20 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(out: Path) -> dict[str, dict]:
     """Every launch, in order (each reads what the previous wrote)."""
-    res = run_worker(out, 4, {"s1": "save:stage=1,tp=2", "s2": "save:stage=2,tp=2"}, timeout=600, script=WORKER)
+    res = run_worker(out, 4, {"s1": "save:stage=1,tp=2", "s2": "save:stage=2,tp=2", "s3": "save:stage=3,tp=2"},
+                     timeout=600, script=WORKER)
     res |= run_worker(out, 2, {
         "r1": f"resume:stage=1,tp=1,ckpt=s1/{STEP3}",
         "r2": f"resume:stage=2,tp=1,ckpt=s2/{STEP3}",
         "r3": f"resume:stage=3,tp=1,ckpt=s2/{STEP3}",
         "back": "resume:stage=2,tp=2,ckpt=r1.ckpt",
+        "r3to1": f"resume:stage=1,tp=1,ckpt=s3/{STEP3}",
         "fab": f"fabric:stage=1,tp=2,ckpt=s2/{STEP3}",
     }, timeout=600, script=WORKER)
     res |= run_worker(out, 1, {
         "one1": f"resume:stage=1,tp=1,ckpt=s1/{STEP3}",
         "one2": f"resume:stage=2,tp=1,ckpt=s2/{STEP3}",
+        "one3": f"resume:stage=2,tp=1,ckpt=s3/{STEP3}",
         "mismatch": f"mismatch:stage=2,tp=1,ckpt=s2/{STEP3}",
     }, timeout=600, script=WORKER)
     return res
@@ -66,7 +69,7 @@ def _assert_bitwise(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
 
 
 def test_writers_ran_dp2_x_tp2(runs: dict[str, dict]) -> None:
-    for name in ("s1", "s2"):
+    for name in ("s1", "s2", "s3"):
         coords = sorted((r["dp_rank"], r["tp_rank"]) for r in runs[name]["per_rank"])
         assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert sorted(runs[name]["losses"]) == list(range(6))
@@ -90,7 +93,7 @@ def test_layouts_of_the_resumes(runs: dict[str, dict]) -> None:
 
 
 def test_consolidated_is_the_full_model(runs: dict[str, dict], out: Path) -> None:
-    for name in ("s1", "s2"):
+    for name in ("s1", "s2", "s3"):
         ckpt = load_consolidated(out / name / STEP3)
         _assert_bitwise(ckpt["state_dict"], runs[name]["saved_weights"], name)
         assert set(ckpt["state_dict"]) == set(runs[name]["saved_weights"])
@@ -110,7 +113,7 @@ def _assert_same_optimizer(got: dict, ref: dict, where: str) -> None:
     assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in ref["param_groups"]], where
 
 
-@pytest.mark.parametrize("resave,writer", [("r1", "s1"), ("one2", "s2"), ("back", "s1")])
+@pytest.mark.parametrize("resave,writer", [("r1", "s1"), ("one2", "s2"), ("back", "s1"), ("r3to1", "s3")])
 def test_optimizer_state_survives_the_layout_change(out: Path, runs: dict[str, dict], resave: str, writer: str) -> None:
     """A resumed run's checkpoint of the state as loaded (tp 1 re-saves a tp 2 writer's and vice versa)
     holds the writer's Adam moments and steps, bit for bit."""

@@ -1,10 +1,12 @@
-"""Tensor parallel x ZeRO (stages 0, 1, 2) against one process without any parallelism (CPU, gloo, fp32).
+"""Tensor parallel x ZeRO (stages 0-3) against one process without any parallelism (CPU, gloo, fp32).
 
 HF ``LlamaForCausalLM`` from a tiny config (4 heads, 2 KV heads, 2 layers) and the example GPT, each
 parallelized in ``configure_model`` with the ready plans over ``self.device_mesh["tp"]``; fixed global
 batch 8, AdamW, gradient clipping by the global norm at a value that binds (so the norm must count
 TP-sharded parameters' pieces over tp and replicated ones once), 6 steps. One ``torchrun`` per world
-size; the oracle is a plain torch loop on rank 0 (tests/parallel/tp_worker.py).
+size; the oracle is a plain torch loop on rank 0 (tests/parallel/tp_worker.py). Stage 3 builds the model
+on the meta device in ``configure_model`` and materialises it unit by unit, TP shards included; the
+module's ``zero_init_module`` copies the oracle's initial weights in (each rank its TP shard's block).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _check_parity(got: dict, ref: dict) -> None:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    runs = {"zero1": "zero1:tp=2,model=llama", "zero2": "zero2:tp=2,model=llama", "ref": "ref:model=llama"}
+    runs = {"zero1": "zero1:tp=2,model=llama", "zero2": "zero2:tp=2,model=llama", "zero3": "zero3:tp=2,model=llama",
+            "ref": "ref:model=llama"}
     return run_worker(tmp_path_factory.mktemp("tp4"), 4, runs, timeout=1200, script=WORKER)
 
 
@@ -49,7 +52,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, script=WORKER)
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_dp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], stage: str) -> None:
     got = four_ranks[stage]
     _check_parity(got, four_ranks["ref"])
@@ -70,7 +73,7 @@ def test_module_sees_the_mesh(four_ranks: dict[str, dict]) -> None:
         assert r["dtensor_params"] == 14  # 7 projections x 2 layers
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_optimizer_state_is_split_over_tp_and_dp(four_ranks: dict[str, dict], stage: str) -> None:
     """Counted by tensor storage: Adam's two fp32 moments cover this rank's 1/dp of its TP shard, and the
     TP shard is the sharded weights' 1/tp plus the replicated ones."""
@@ -80,3 +83,17 @@ def test_optimizer_state_is_split_over_tp_and_dp(four_ranks: dict[str, dict], st
         assert 0 <= padding < r["dp"] * 8 * r["buckets"]
         assert r["local_numel"] < 0.6 * r["full_numel"]
         assert r["state_bytes"] < 0.6 * 2 * 4 * r["full_numel"] / r["dp"]
+
+
+def test_stage3_parameters_are_split_over_tp_and_dp(four_ranks: dict[str, dict]) -> None:
+    """Counted by storage between steps: every parameter released (its TP shard's storage too); what a rank
+    keeps is its dp partition of its TP shard (fp32: the master is the gather source), with Adam's two
+    states beside it: 1/(tp*dp) of the model, plus the replicated embeddings, head and norms, which only
+    the dp ranks split (15% more for this tiny Llama, whose embeddings are large)."""
+    for r in four_ranks["zero3"]["per_rank"]:
+        assert r["held_param_bytes"] == 0
+        assert r["param_shard_bytes"] == 4 * r["shard_numel"]
+        assert r["state_bytes"] == 2 * 4 * r["shard_numel"]
+        assert r["shard_numel"] * r["dp"] * r["tp"] < 1.2 * r["full_numel"]
+        assert r["shard_numel"] * r["dp"] >= r["local_numel"]
+

@@ -89,7 +89,8 @@ class CkptModule(TPModule):
         """Full weights by state-dict name (collective): DTensors gathered over tp, or ZeRO's gathered
         masters (stage 3 releases parameters between steps)."""
         if self.trainer.strategy.dims.tp > 1:
-            return {f"model.{k}": v for k, v in full_weights(self.model).items()}
+            with self.trainer.strategy.gathered_params():  # stage 3: gathered (a no-op below)
+                return {f"model.{k}": v for k, v in full_weights(self.model).items()}
         names = {f"model.{n}" for n, _ in self.model.named_parameters()}
         return {k: v for k, v in self.trainer.strategy.full_state_dict().items() if k in names}
 
