@@ -29,6 +29,7 @@ it to its local storage themselves (DCP's own lookup only handles tensor subclas
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -109,18 +110,9 @@ def _flat_runs(block: Block, offset: Shape, sizes: Shape) -> Iterator[tuple[int,
     while j > 0 and sizes[j] == block.size[j]:
         j -= 1
     length = math.prod(sizes[j:])
-    for idx in _product(sizes[:j]):
+    for idx in itertools.product(*(range(n) for n in sizes[:j])):
         glob = [block.offset[d] + offset[d] + (idx[d] if d < j else 0) for d in range(nd)]
         yield _ravel(glob, block.size), length
-
-
-def _product(sizes: Sequence[int]) -> Iterator[tuple[int, ...]]:
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _product(sizes[1:]):
-            yield (i, *rest)
 
 
 @dataclass
