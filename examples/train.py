@@ -69,9 +69,6 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule]:
     if run.metrics.enabled:
         metrics = run.metrics
         callbacks.append(ZeroMetrics(log_every_n_steps=metrics.log_every_n_steps, peak_flops=metrics.peak_flops))
-    if run.checkpoint.enabled and expert_parallel > 1:  # lightning_zero/checkpoint/experts.py says why
-        log.warning("checkpoints with strategy.expert_parallel > 1 are not built yet: this run saves none")
-        run.checkpoint.enabled = False
     if run.checkpoint.enabled:
         callbacks.append(ModelCheckpoint(
             dirpath=run.checkpoint.dirpath,

@@ -28,7 +28,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_zero.checkpoint.experts import ExpertCheckpointGuard
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.core import ENGINES, ZeroCore
 from lightning_zero.pipeline.integration import PipelineIntegration
@@ -41,7 +40,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ENGINES", "ZeroStrategy"]
 
 
-class ZeroStrategy(ExpertCheckpointGuard, ZeroCore, ParallelStrategy):
+class ZeroStrategy(ZeroCore, ParallelStrategy):
     """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
 
     Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error

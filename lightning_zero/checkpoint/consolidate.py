@@ -226,7 +226,8 @@ def describe(path: atomic.PathLike, list_tensors: bool = False) -> str:
         f"checkpoint   {p}",
         f"step         {info.get('global_step')} (epoch {info.get('epoch')})",
         f"saved by     ZeRO stage {info.get('stage')} on world size {info.get('world_size')} "
-        f"(data parallel {info.get('dp')}, pipeline stages {info.get('pp')}, tensor parallel {info.get('tp', 1)}; offload optimizer "
+        f"(data parallel {info.get('dp')}, pipeline stages {info.get('pp')}, tensor parallel {info.get('tp', 1)}, expert parallel "
+        f"{info.get('ep', 1)}; offload optimizer "
         f"{info.get('offload_optimizer')}, params {info.get('offload_params')})",
         f"weights      {n_weights} tensors, {weight_bytes / 2**20:.1f} MiB as stored",
         f"optimizers   {len(info['optimizers'])}" + (f", state {opt_bytes / 2**20:.1f} MiB"

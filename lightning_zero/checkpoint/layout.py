@@ -19,6 +19,11 @@ tensor-parallel pieces]); keys, names and shapes in ``meta.pt`` are the global t
 degree, or none, reads them. The tp ranks of one data-parallel replica hold the same replicated
 tensors and write the same pieces of them: DCP keeps one copy.
 
+Expert parallelism: expert tensors are named by global expert index (experts.py [Note: experts in
+sharded checkpoints]) and split over the ranks holding the same experts (the expert-data-parallel
+ranks), not over every data-parallel rank; an optimizer's flat groups of one param group (dense and
+expert, zero/shard_comm.py) share its record.
+
 Who writes what: a partition's owner writes its pieces; a tensor every data-parallel rank holds
 whole (buffers, stage 0's masters, parameters no engine manages) is split evenly over the
 data-parallel ranks; with pipeline stages a tensor held by several stages (tied modules) is written
@@ -35,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_zero.checkpoint.experts import ExpertNames
 from lightning_zero.checkpoint.pieces import Block, FlatPiece
 from lightning_zero.comm.compressed import local_comm_state
 from lightning_zero.parallel.dtensor import local_block, local_tensor
@@ -61,9 +67,34 @@ class RankView:
     pp_size: int = 1
     global_rank: int = 0
     orig_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    experts: Optional[ExpertNames] = None
+    """Expert parallelism: the renaming of expert tensors to global expert indices (None: none)."""
+    edp_rank: int = 0
+    edp_size: int = 1
+    """This rank among the ranks holding the same experts, and their number (used with ``experts``)."""
+
+    def __post_init__(self) -> None:
+        if self.experts is not None:  # the strategy's dtypes are keyed by the module's own names
+            self.orig_dtypes = {self.experts.stored(k): v for k, v in self.orig_dtypes.items()}
 
     def named_tensors(self) -> dict[str, Tensor]:
-        return dict(self.module.state_dict(keep_vars=True))
+        """The module's state-dict entries under their stored names (experts by global index)."""
+        state = self.module.state_dict(keep_vars=True)
+        if self.experts is None:
+            return dict(state)
+        return {self.experts.stored(k): v for k, v in state.items()}
+
+    def all_names(self) -> list[str]:
+        """The stored names of every rank's entries (this rank's, plus the other EP ranks' experts)."""
+        names = list(self.named_tensors())
+        return names if self.experts is None else [n for n, _, _ in self.experts.expand(names)]
+
+    def share(self, name: str) -> tuple[int, int]:
+        """(rank, ranks) over which a tensor held whole by several ranks is split when written: the
+        expert-data-parallel ranks for an expert's, the data-parallel ranks otherwise."""
+        if self.experts is not None and self.experts.is_expert(name):
+            return self.edp_rank, self.edp_size
+        return self.dp_rank, self.dp_size
 
     def canonical_names(self) -> dict[str, str]:
         """Every state-dict name -> the first name of the same tensor (tied weights share it)."""
@@ -148,7 +179,7 @@ def _own_weights(view: RankView, whole: bool) -> Iterator[tuple[str, Tensor, Opt
         piece = None
         if id(t) in managed:
             fg, si = managed[id(t)]
-            for start, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=whole):
+            for start, mstart, length in slot_pieces(fg, si, *view.share(name), whole=whole):
                 piece = (fg.master[mstart : mstart + length], start)
             if piece is None:
                 continue  # this rank holds none of it
@@ -164,7 +195,7 @@ def weight_entries(view: RankView) -> dict[str, Any]:
         if piece is not None:
             out[key] = make_piece(piece[0], piece[1], block)
             continue
-        lo, hi = even_range(block.numel, view.dp_rank, view.dp_size)
+        lo, hi = even_range(block.numel, *view.share(key[len(WEIGHT_PREFIX):]))
         if hi > lo:
             local = local_tensor(t)
             flat = _flat_view(local)
@@ -179,7 +210,8 @@ def _is_flat_state(value: Any, fg: Any) -> bool:
 
 def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Optimizer ``k``'s state this rank writes, and its param groups' records (hyper-parameters,
-    parameter names, which state keys are flat) for ``meta.pt``."""
+    parameter names, which state keys are flat) for ``meta.pt``. A param group may own several flat
+    groups (expert parallelism: zero/shard_comm.py [Note: expert parameters under ZeRO])."""
     opt, engine = view.optimizers[k], view.engines[k]
     if engine is None:
         raise RuntimeError(
@@ -189,23 +221,25 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
     names = view.param_names()
     prefix = opt_prefix(k)
     out: dict[str, Any] = {}
-    records = []
-    for gi, (fg, pg) in enumerate(zip(engine.groups, opt.param_groups)):
+    records = [{
+        "hyper": {key: v for key, v in pg.items() if key != "params"},
+        "params": _every_rank(view, [names.get(id(p), "") for p in engine.original_params[pi]]),
+        "flat": [],
+        "scalar": [],
+    } for pi, pg in enumerate(opt.param_groups)]
+    for fg, pi in zip(engine.groups, engine.pg_of):
         st = opt.state.get(fg.master, {})
         flat_keys = sorted(key for key, v in st.items() if _is_flat_state(v, fg))
         scalar_keys = sorted(key for key in st if key not in flat_keys)
-        records.append({
-            "hyper": {key: v for key, v in pg.items() if key != "params"},
-            "params": [names.get(id(p), "") for p in engine.original_params[gi]],
-            "flat": flat_keys,
-            "scalar": scalar_keys,
-        })
+        rec = records[pi]
+        rec["flat"] = sorted(set(rec["flat"]) | set(flat_keys))
+        rec["scalar"] = sorted(set(rec["scalar"]) | set(scalar_keys))
         for si, slot in enumerate(fg.layout.slots):
             p = fg.params[slot.index]
             pname = names.get(id(p))
             if pname is None:
                 continue
-            pieces = slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=False)
+            pieces = slot_pieces(fg, si, *view.share(pname), whole=False)
             block = tensor_block(p)
             for key in flat_keys:
                 for start, mstart, length in pieces:
@@ -220,18 +254,32 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
     return out, records
 
 
+def _every_rank(view: RankView, names: list[str]) -> list[str]:
+    """``names`` of this rank -> every EP rank's (experts.py [Note: experts in sharded checkpoints])."""
+    return names if view.experts is None else [n for n, _, _ in view.experts.expand(names)]
+
+
 def weight_info(view: RankView) -> dict[str, dict[str, Any]]:
     """Every state-dict name -> shape, dtype to restore, and the key its value is stored under."""
     canon = view.canonical_names()
+    tensors = view.named_tensors()
     info = {}
-    for name, t in view.named_tensors().items():
+    for name, t in tensors.items():
         if torch.is_tensor(t):
             dtype = view.orig_dtypes.get(name, t.dtype)
             info[name] = {"shape": tuple(t.shape), "dtype": str(dtype).replace("torch.", ""),
                           "key": WEIGHT_PREFIX + canon[name]}
         else:
             info[name] = {"value": t}
-    return info
+    if view.experts is None:
+        return info
+    out = {}  # the other EP ranks' experts: the same shapes under their global indices
+    for name, mine, ep_rank in view.experts.expand(list(tensors)):
+        entry = dict(info[mine])
+        if "key" in entry and ep_rank is not None:
+            entry["key"] = WEIGHT_PREFIX + view.experts.on_rank(canon[mine], ep_rank)
+        out[name] = entry
+    return out
 
 
 def drop_later_stage_copies(entries: dict[str, Any], mine: int, first_stage: dict[str, int]) -> dict[str, Any]:

@@ -127,7 +127,8 @@ def _check_weights_match(view: L.RankView, saved: dict[str, Any], md: Metadata, 
     local = {n: t for n, t in view.named_tensors().items() if torch.is_tensor(t)}
     missing = [n for n, t in local.items() if t.numel() and saved.get(n, {}).get("key", L.WEIGHT_PREFIX + n)
                not in md.state_dict_metadata]
-    unexpected = [] if pipelined else [n for n in saved if n not in view.named_tensors()]
+    everyone = set(view.all_names())  # expert parallelism: the other EP ranks' experts are expected too
+    unexpected = [] if pipelined else [n for n in saved if n not in everyone]
     if strict and (missing or unexpected):
         raise KeyError(
             f"Checkpoint {path} does not match the model: missing {missing[:5]}"
@@ -446,7 +447,7 @@ class ShardedCheckpointer:
         new_states: dict[int, dict[str, Any]] = {}
         scalar_keys: dict[int, dict[str, str]] = {}
         for gi, fg, p, name, pieces in L.iter_group_slots(view, k):
-            rec = records[gi]
+            rec = records[engine.pg_of[gi]]  # a param group's flat groups share its record (layout.py)
             if not rec["flat"] and not rec["scalar"]:
                 continue
             st = new_states.setdefault(gi, {})

@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint import layout as L
+from lightning_zero.checkpoint.experts import ExpertNames, refuse_full_format
 from lightning_zero.checkpoint.sharded import (
     ShardedCheckpointer,
     ShardedOptimizerState,
@@ -85,6 +86,9 @@ class CheckpointMixin:
             pp_size=dims.pp if dims is not None else 1,
             global_rank=C.rank(),
             orig_dtypes=dict(self._orig_dtypes),  # type: ignore[attr-defined]
+            experts=ExpertNames.of(self._zero_module),  # type: ignore[attr-defined]
+            edp_rank=dims.edp_rank if dims is not None else 0,
+            edp_size=dims.edp if dims is not None else 1,
         )
 
     def _host_state(self) -> Any:
@@ -96,10 +100,12 @@ class CheckpointMixin:
             self._checkpointer.wait()
 
     # ------------------------------------------------------------------ save
-    def _refuse_tensor_parallel(self, what: str) -> None:
+    def _refuse_full_format(self, what: str) -> None:
         """The full format (one gathered state dict) of DTensor (tensor-parallel) parameters is not built
         yet: its gathers run over the data-parallel ranks only. Sharded checkpoints handle TP shards
-        (pieces.py [Note: tensor-parallel pieces]) and consolidate offline to full tensors."""
+        (pieces.py [Note: tensor-parallel pieces]) and consolidate offline to full tensors. Nor is it
+        under expert parallelism (experts.py [Note: experts in sharded checkpoints])."""
+        refuse_full_format(self.config.expert_parallel, what)  # type: ignore[attr-defined]
         dims = self.dims  # type: ignore[attr-defined]
         if dims is not None and dims.tp > 1:
             raise NotImplementedError(
@@ -111,7 +117,7 @@ class CheckpointMixin:
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
-        self._refuse_tensor_parallel("A full state dict (checkpoint_format='full', full_state_dict())")
+        self._refuse_full_format("A full state dict (checkpoint_format='full', full_state_dict())")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         state = module.state_dict()
@@ -146,7 +152,7 @@ class CheckpointMixin:
 
     def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """torch's per-parameter format, gathered from the partitions (collective)."""
-        self._refuse_tensor_parallel("A full optimizer state (checkpoint_format='full')")
+        self._refuse_full_format("A full optimizer state (checkpoint_format='full')")
         engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
         if engine is None:
             return optimizer.state_dict()
@@ -176,6 +182,7 @@ class CheckpointMixin:
             "dp": dims.dp if dims is not None else 1,
             "pp": dims.pp if dims is not None else 1,
             "tp": dims.tp if dims is not None else 1,
+            "ep": dims.ep if dims is not None else 1,
             "offload_optimizer": cfg.offload_optimizer,
             "offload_params": cfg.offload_params,
             "global_step": checkpoint.get("global_step"),
@@ -225,7 +232,7 @@ class CheckpointMixin:
 
     def _load_full_weights(self, sd: Mapping[str, Any], strict: bool) -> None:
         """A full state dict into the module and the engines' masters (stage 3: the masters only)."""
-        self._refuse_tensor_parallel("Loading a full checkpoint file")
+        self._refuse_full_format("Loading a full checkpoint file")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
@@ -259,7 +266,7 @@ class CheckpointMixin:
 
     def _load_full_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> None:
         """torch's per-parameter format into the partitions this rank holds."""
-        self._refuse_tensor_parallel("Loading a full checkpoint file's optimizer state")
+        self._refuse_full_format("Loading a full checkpoint file's optimizer state")
         pipeline = self._pipeline  # type: ignore[attr-defined]
         if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
             state = pipeline.local_optimizer_state(state)

@@ -37,7 +37,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.checkpoint.experts import ExpertCheckpointGuard
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.core import ZeroCore
 from lightning_zero.fabric.checkpoint import FabricCheckpointMixin
@@ -53,7 +52,7 @@ PIPELINE_REFUSAL = (
 )
 
 
-class ZeroFabricStrategy(ExpertCheckpointGuard, FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
     """DeepSpeed's ZeRO for Lightning Fabric: ``Fabric(strategy="zero3")`` or
     ``Fabric(strategy=ZeroFabricStrategy(stage=3, offload_optimizer="cpu"))``.
 

@@ -15,9 +15,12 @@ reduced and partitioned by ZeRO stages 0-3 over the ranks holding the same exper
 data parallel over the world, with gradient norm and clipping across both (zero/shard_comm.py).
 :class:`lightning_zero.logging.MoEMetrics` logs the aux loss, tokens per expert and dropped fraction.
 
-Still to come: checkpoints keyed by global expert index (resume at another EP size; refused under
-EP > 1 until then: checkpoint/experts.py); EP with pipeline or tensor parallelism, offload, 1-bit
-optimizers.
+Sharded checkpoints store experts by global expert index, so a run resumes at another EP size and
+consolidates to the single-process model's state dict (checkpoint/experts.py [Note: experts in sharded
+checkpoints]); the full checkpoint format is refused under EP > 1.
+
+Still to come: EP with pipeline or tensor parallelism, offload, 1-bit optimizers; the full checkpoint
+format under EP > 1.
 """
 
 from lightning_zero.moe.gating import Routing, TopKGate, topk_gating

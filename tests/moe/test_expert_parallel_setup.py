@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.checkpoint.experts import refuse_expert_checkpoints
+from lightning_zero.checkpoint.experts import ExpertNames, refuse_full_format
 from lightning_zero.config import ZeroConfig
 from lightning_zero.moe import MoE
 from lightning_zero.moe.parallel import bind_expert_parallel, globalize_expert_state, localize_expert_state
@@ -62,10 +62,30 @@ def test_bind_checks_the_layers_against_the_strategy() -> None:
     assert bind_expert_parallel(model, 1, None) == [model[1]]
 
 
-def test_checkpoints_refused_under_expert_parallelism() -> None:
-    refuse_expert_checkpoints(1)
-    with pytest.raises(NotImplementedError, match="expert_parallel=2 are not built yet"):
-        refuse_expert_checkpoints(2)
+def test_full_checkpoint_format_refused_under_expert_parallelism() -> None:
+    refuse_full_format(1, "A full state dict")
+    with pytest.raises(NotImplementedError, match="A full state dict with expert_parallel=2 is not built yet: use "
+                       "checkpoint_format='sharded'"):
+        refuse_full_format(2, "A full state dict")
+
+
+def test_checkpoint_names_are_the_single_process_ones() -> None:
+    """checkpoint/experts.py [Note: experts in sharded checkpoints]: a rank's names by global index, and
+    every EP rank's names listed from one rank's, in the single-process model's state-dict order."""
+    full = nn.Sequential(nn.Linear(H, H), MoE(H, lambda: MLP(H), num_experts=4), nn.Linear(H, H))
+    assert ExpertNames.of(full) is None  # nothing to rename
+    part = nn.Sequential(nn.Linear(H, H), MoE(H, lambda: MLP(H), num_experts=4, ep_size=2), nn.Linear(H, H))
+    part[1].ep_rank = 1
+    names = ExpertNames.of(part)
+    assert names is not None
+    stored = [names.stored(k) for k in part.state_dict()]
+    assert [k for k in stored if ".experts." in k] == [k for k in full.state_dict() if ".experts.2." in k or ".experts.3." in k]
+    assert names.stored("0.weight") == "0.weight" and not names.is_expert("1.gate.weight")
+    expanded = list(names.expand(stored))
+    assert [n for n, _, _ in expanded] == list(full.state_dict())
+    assert {(n.split(".")[2], mine.split(".")[2], r) for n, mine, r in expanded if r is not None} == {
+        ("0", "2", 0), ("1", "3", 0), ("2", "2", 1), ("3", "3", 1)}
+    assert names.on_rank("1.experts.3.fc.weight", 0) == "1.experts.1.fc.weight"
 
 
 def test_param_groups_split_into_dense_and_expert_flat_groups() -> None:
