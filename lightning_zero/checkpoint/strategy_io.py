@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint import atomic, tp_full
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.experts import ExpertNames, refuse_full_format
 from lightning_zero.checkpoint.sharded import (
@@ -33,6 +33,7 @@ from lightning_zero.checkpoint.sharded import (
 )
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero import state_dict as zsd
 
 log = logging.getLogger(__name__)
@@ -101,18 +102,14 @@ class CheckpointMixin:
 
     # ------------------------------------------------------------------ save
     def _refuse_full_format(self, what: str) -> None:
-        """The full format (one gathered state dict) of DTensor (tensor-parallel) parameters is not built
-        yet: its gathers run over the data-parallel ranks only. Sharded checkpoints handle TP shards
-        (pieces.py [Note: tensor-parallel pieces]) and consolidate offline to full tensors. Nor is it
-        under expert parallelism (experts.py [Note: experts in sharded checkpoints])."""
+        """The full format (one gathered state dict) is not built under expert parallelism (experts.py
+        [Note: experts in sharded checkpoints]). Under tensor parallelism it is: tp_full.py."""
         refuse_full_format(self.config.expert_parallel, what)  # type: ignore[attr-defined]
+
+    def _tp_group(self) -> Optional[Any]:
+        """The tensor-parallel group when DTensor parameters are split over tp (None otherwise)."""
         dims = self.dims  # type: ignore[attr-defined]
-        if dims is not None and dims.tp > 1:
-            raise NotImplementedError(
-                f"{what} with tensor_parallel={dims.tp} is not built yet: use checkpoint_format='sharded' (the "
-                "default), which saves and resumes tensor-parallel runs on any layout; `python -m "
-                "lightning_zero.checkpoint consolidate DIR` makes one full file of it."
-            )
+        return dims.tp_group if dims is not None and dims.tp > 1 else None
 
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
@@ -124,16 +121,20 @@ class CheckpointMixin:
         masters: dict[int, Tensor] = {}
         for engine in self._engines.values():  # type: ignore[attr-defined]
             masters.update(zsd.full_master_params(engine))
-        keyed = {k: masters[id(v)] for k, v in module.state_dict(keep_vars=True).items() if id(v) in masters}
+        named = module.state_dict(keep_vars=True)
+        keyed = {k: masters[id(v)] for k, v in named.items() if id(v) in masters}
         out = {}
         for k, v in state.items():
-            value = keyed.get(k, v)
+            value = local_tensor(keyed.get(k, v))  # a DTensor's TP block: made full below (tp_full.py)
             want = self._orig_dtypes.get(k)  # type: ignore[attr-defined]
             if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:
                 raise RuntimeError(f"'{k}' is a released ZeRO-3 parameter that no engine holds a partition of.")
             if torch.is_tensor(value) and want is not None and value.dtype != want:
                 value = value.to(want)
-            out[k] = value.detach().cpu() if torch.is_tensor(value) else value
+            out[k] = value.detach() if torch.is_tensor(value) else value
+        if self._tp_group() is not None:
+            out = tp_full.full_weights(out, named, self._tp_group())
+        out = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
         pipeline = self._pipeline  # type: ignore[attr-defined]
         return pipeline.merge_state_dict(out) if pipeline is not None else out
 
@@ -158,6 +159,8 @@ class CheckpointMixin:
             return optimizer.state_dict()
         with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
             state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
+        if self._tp_group() is not None:  # DTensor parameters' states are their TP blocks (tp_full.py)
+            state = tp_full.full_optimizer_state(state, zsd.params_by_index(engine), self._tp_group())
         pipeline = self._pipeline  # type: ignore[attr-defined]
         return pipeline.gather_optimizer_state(state) if pipeline is not None else state
 
@@ -235,6 +238,8 @@ class CheckpointMixin:
         self._refuse_full_format("Loading a full checkpoint file")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
+        if self._tp_group() is not None:  # each rank loads its TP blocks (tp_full.py)
+            sd = tp_full.local_weights(sd, module.state_dict(keep_vars=True))
         sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
         if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
             names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
@@ -251,7 +256,7 @@ class CheckpointMixin:
         values = {}
         for k, v in module.state_dict(keep_vars=True).items():
             if k in sd:
-                values[id(v)] = sd[k].to(torch.float32)  # stays on the host: shards are sliced out of it
+                values[id(v)] = local_tensor(sd[k]).to(torch.float32)  # stays on the host: shards are sliced out of it
         for engine in self._engines.values():  # type: ignore[attr-defined]
             zsd.load_master_params(engine, values)
 
@@ -274,6 +279,8 @@ class CheckpointMixin:
         if engine is None:
             opt.load_state_dict(state)
         else:
+            if self._tp_group() is not None:  # each rank loads its TP blocks (tp_full.py)
+                state = tp_full.local_optimizer_state(state, zsd.params_by_index(engine))
             zsd.load_optimizer_state(engine, state)
             with engine.masters_in_optimizer():
                 compressed_comm.restore_comm_state(opt, state)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.flat_group import FlatParamGroup
 
@@ -81,19 +82,21 @@ def _weight_groups(engine: ZeroEngine) -> list:
 @_in_host_state
 def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
     """Full value of every parameter the engine holds (fp32 masters; stage 3's frozen partitions in
-    their compute dtype), keyed by ``id(param)`` (collective)."""
+    their compute dtype), keyed by ``id(param)`` (collective). A DTensor parameter's value is its local
+    TP shard's (checkpoint/tp_full.py makes it full)."""
     out: dict[int, Tensor] = {}
     for fg in _weight_groups(engine):
         full = gather_flat(engine, fg, fg.master)
         for slot in fg.layout.slots:
             p = fg.params[slot.index]
-            out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(p.shape).detach().clone()
+            out[id(p)] = full[slot.offset : slot.offset + slot.numel].view(local_tensor(p).shape).detach().clone()
     return out
 
 
 @_in_host_state
 def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
-    """Set the fp32 masters (and the 16-bit parameters) from full values keyed by ``id(param)``."""
+    """Set the fp32 masters (and the 16-bit parameters) from full values keyed by ``id(param)`` (a
+    DTensor parameter's: its local TP shard's)."""
     for fg in _weight_groups(engine):
         per_param = {slot.index: values[id(fg.params[slot.index])] for slot in fg.layout.slots
                      if id(fg.params[slot.index]) in values}
@@ -102,7 +105,7 @@ def load_master_params(engine: ZeroEngine, values: dict[int, Tensor]) -> None:
         if fg.flat_param is not None and not fg.shares_master:  # stages 0-2: parameters are full
             for slot in fg.layout.slots:
                 if slot.index in per_param:
-                    p = fg.params[slot.index]
+                    p = local_tensor(fg.params[slot.index])
                     p.data.copy_(per_param[slot.index].to(p.dtype).view(p.shape))
     after = getattr(engine, "after_master_load", None)
     if callable(after):
@@ -125,6 +128,15 @@ def _torch_ids(engine: ZeroEngine) -> list[dict[int, int]]:
     return per_group
 
 
+def params_by_index(engine: ZeroEngine) -> dict[int, Tensor]:
+    """torch.optim's state-dict numbering: index -> parameter."""
+    out: dict[int, Tensor] = {}
+    for params, ids in zip(engine.original_params, _torch_ids(engine)):
+        for p in params:
+            out[ids[id(p)]] = p
+    return out
+
+
 @_in_host_state
 def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     """The wrapped optimizer's state in torch's per-parameter format (collective)."""
@@ -140,7 +152,7 @@ def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
                 full = gather_flat(engine, fg, value)
                 for slot in fg.layout.slots:
                     p = fg.params[slot.index]
-                    piece = full[slot.offset : slot.offset + slot.numel].view(p.shape).detach().clone()
+                    piece = full[slot.offset : slot.offset + slot.numel].view(local_tensor(p).shape).detach().clone()
                     state.setdefault(ids[gi][id(p)], {})[key] = piece
             else:
                 for slot in fg.layout.slots:
@@ -176,7 +188,7 @@ def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
             if not entry:
                 continue
             for key, value in entry.items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.numel() == p.numel():
+                if torch.is_tensor(value) and value.dim() > 0 and value.numel() == local_tensor(p).numel():
                     per_key.setdefault(key, {})[slot.index] = value
                 else:
                     scalars.setdefault(key, value)

@@ -10,8 +10,9 @@ TP shards). Checked:
 * the steps after the resume match the uninterrupted run's losses within 1e-6;
 * the consolidated writer (``load_consolidated`` and the ``consolidate`` CLI) holds the full weights,
   bit for bit, and its Adam state equals, bit for bit, a re-save's consolidated on another layout;
-* a checkpoint of another model is one clear error before training; the full format says it is not
-  built for TP.
+* ``checkpoint_format="full"`` under TP: a consolidated file resumes into TP blocks, exactly, and the
+  full file a TP run writes equals it;
+* a checkpoint of another model is one clear error before training.
 
 Three launches (4, 2, 1 processes), about 60 s on 2 busy cores.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_zero.checkpoint import load_consolidated
+from lightning_zero.checkpoint import consolidate, load_consolidated
 from lightning_zero.checkpoint.__main__ import main as checkpoint_cli
 from tests.helpers.launch import run_worker
 
@@ -31,7 +32,7 @@ WORKER = "tests/parallel/tp_ckpt_worker.py"
 STEP3 = "epoch=0-step=3.ckpt"
 LOSS_TOL = 1e-6
 RESUMES = {  # resumed run -> its writer
-    "r1": "s1", "r2": "s2", "r3": "s2", "one2": "s2", "back": "s1", "r3to1": "s3", "one3": "s3",
+    "r1": "s1", "r2": "s2", "r3": "s2", "one2": "s2", "back": "s1", "r3to1": "s3", "one3": "s3", "full": "s2",
 }
 
 
@@ -45,12 +46,14 @@ def runs(out: Path) -> dict[str, dict]:
     """Every launch, in order (each reads what the previous wrote)."""
     res = run_worker(out, 4, {"s1": "save:stage=1,tp=2", "s2": "save:stage=2,tp=2", "s3": "save:stage=3,tp=2"},
                      timeout=600, script=WORKER)
+    consolidate(out / "s2" / STEP3, out / "s2_full.ckpt", progress=False)
     res |= run_worker(out, 2, {
         "r1": f"resume:stage=1,tp=1,ckpt=s1/{STEP3}",
         "r2": f"resume:stage=2,tp=1,ckpt=s2/{STEP3}",
         "r3": f"resume:stage=3,tp=1,ckpt=s2/{STEP3}",
         "back": "resume:stage=2,tp=2,ckpt=r1.ckpt",
         "r3to1": f"resume:stage=1,tp=1,ckpt=s3/{STEP3}",
+        "full": "resume:stage=2,tp=2,fmt=full,ckpt=s2_full.ckpt",
         "fab": f"fabric:stage=1,tp=2,ckpt=s2/{STEP3}",
     }, timeout=600, script=WORKER)
     res |= run_worker(out, 1, {
@@ -137,6 +140,12 @@ def test_another_model_is_one_clear_error(runs: dict[str, dict]) -> None:
     assert "differ in shape" in got["message"] and "mlp.gate_proj.weight' saved [64, 32], model [96, 32]" in got["message"]
 
 
-def test_full_format_under_tp_is_refused_clearly(runs: dict[str, dict]) -> None:
-    for r in runs["back"]["per_rank"]:
-        assert "not built yet" in r["full_refused"] and "checkpoint_format='sharded'" in r["full_refused"]
+def test_full_format_under_tp(out: Path, runs: dict[str, dict]) -> None:
+    """checkpoint_format='full' on dp 1 x tp 2: the consolidated file of the dp 2 x tp 2 writer loads into
+    the TP blocks (weights and Adam state: the resume above is exact) and the run's own full file, its
+    blocks gathered over tp, equals that file bit for bit."""
+    ref = torch.load(out / "s2_full.ckpt", weights_only=False)
+    got = torch.load(out / "full.ckpt", weights_only=False)
+    assert (out / "full.ckpt").is_file() and set(got["state_dict"]) == set(ref["state_dict"])
+    _assert_bitwise(got["state_dict"], ref["state_dict"], "full save")
+    _assert_same_optimizer(got["optimizer_states"][0], ref["optimizer_states"][0], "full save")

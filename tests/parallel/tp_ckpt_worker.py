@@ -6,16 +6,16 @@ Usage: torchrun --nproc-per-node N tests/parallel/tp_ckpt_worker.py OUT NAME=SPE
   2 epochs of 3 fixed global batches (6 steps), ModelCheckpoint at each epoch's end into ``OUT/NAME``
   (``epoch=0-step=3.ckpt`` is the one resumed); records every step's global loss (the uninterrupted
   run) and the full weights at the end of epoch 0 (DTensors gathered over tp).
-* ``resume:stage=K,tp=T,ckpt=REL``: the same run resumed from ``OUT/REL`` (any layout that wrote it);
-  at ``on_train_start`` it records the full weights as loaded and saves them again into
-  ``OUT/NAME.ckpt`` (the state as loaded, for the test to consolidate), then trains steps 3-5.
+* ``resume:stage=K,tp=T,ckpt=REL[,fmt=full]``: the same run resumed from ``OUT/REL`` (a sharded
+  directory of any layout, or a full file); at ``on_train_start`` it records the full weights as loaded
+  and saves them again into ``OUT/NAME.ckpt`` (the state as loaded; ``fmt``: the strategy's
+  checkpoint_format), then trains steps 3-5.
 * ``fabric:stage=K,tp=T,ckpt=REL``: Fabric's door: load ``OUT/REL`` into a tensor-parallel module and
   its optimizer with ``fabric.load``, record the full weights, then ``fabric.save`` into ``OUT/NAME.ckpt``.
 * ``mismatch:stage=K,tp=T,ckpt=REL``: resume ``OUT/REL`` into a model whose MLP is wider; each rank
   writes the error it got (rank 0 ``OUT/NAME.pt``, others ``OUT/NAME.rank<r>.pt``; run it last).
 
-Weights are recorded full, by the LightningModule's state-dict names. ``resume`` runs on tp > 1 also
-record what ``full_state_dict()`` (the full format, not built for TP) says. Rank 0 writes
+Weights are recorded full, by the LightningModule's state-dict names. Rank 0 writes
 ``OUT/NAME.pt`` (tests/helpers/worker_io.py), every rank's figures under ``per_rank``.
 """
 
@@ -45,7 +45,9 @@ BATCHES_PER_EPOCH, EPOCHS = 3, 2
 
 def _strategy(opts: dict[str, str], cls: type = lightning_zero.ZeroStrategy) -> object:
     stage = int(opts["stage"])
-    extra = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: partition every unit
+    extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: partition every unit
+    if opts.get("fmt"):
+        extra["checkpoint_format"] = opts["fmt"]
     return cls(stage=stage, tensor_parallel=int(opts.get("tp", "1")), bucket_size_mb=0.002, timeout_s=120.0, **extra)
 
 
@@ -134,13 +136,7 @@ def run(name: str, spec: str, out: str) -> None:
         module = CkptModule(resave=os.path.join(out, f"{name}.ckpt"))
         trainer = _fit(opts, module, ckpt_path=os.path.join(out, opts["ckpt"]))
         result = {"losses": module.step_losses, "start": module.start}
-        mine = _coords(trainer)
-        if mine["tp"] > 1:
-            try:
-                trainer.strategy.full_state_dict()
-            except NotImplementedError as e:
-                mine["full_refused"] = str(e)
-        save_result(result, mine, out, name)
+        save_result(result, _coords(trainer), out, name)
     elif kind == "mismatch":
         rank = int(os.environ.get("RANK", "0"))
         try:
