@@ -3,8 +3,8 @@ resharded on load, atomic, verified, optionally asynchronous, consolidated offli
 
 Where things happen: ``strategy_io.py`` (Lightning's hooks) -> ``sharded.py`` (save/load
 orchestration) -> ``layout.py`` (which pieces a rank writes and reads, under which keys) ->
-``pieces.py`` (the resharding protocol) -> ``storage.py`` (files, checksums) and ``atomic.py``
-(partial directory, rename). ``consolidate.py`` and ``__main__.py`` work offline;
+``pieces.py`` (the resharding protocol, tensor-parallel blocks included) -> ``storage.py`` (files,
+checksums) and ``atomic.py`` (partial directory, rename); ``tp_full.py``: the full format's TP gathers. ``consolidate.py`` and ``__main__.py`` work offline;
 ``lightning_load.py`` lets ``load_from_checkpoint`` read a directory.
 """
 
