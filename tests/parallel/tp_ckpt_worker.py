@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc-per-node N tests/parallel/tp_ckpt_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
 
-* ``save:stage=K,tp=T``: the Llama model of tp_worker.py under ZeroStrategy(stage=K, tensor_parallel=T),
+* ``save:stage=K,tp=T[,async=1]``: the Llama model of tp_worker.py under ZeroStrategy(stage=K, tensor_parallel=T),
   2 epochs of 3 fixed global batches (6 steps), ModelCheckpoint at each epoch's end into ``OUT/NAME``
   (``epoch=0-step=3.ckpt`` is the one resumed); records every step's global loss (the uninterrupted
   run) and the full weights at the end of epoch 0 (DTensors gathered over tp).
@@ -48,6 +48,8 @@ def _strategy(opts: dict[str, str], cls: type = lightning_zero.ZeroStrategy) -> 
     extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: partition every unit
     if opts.get("fmt"):
         extra["checkpoint_format"] = opts["fmt"]
+    if opts.get("async"):
+        extra["checkpoint_async"] = True
     return cls(stage=stage, tensor_parallel=int(opts.get("tp", "1")), bucket_size_mb=0.002, timeout_s=120.0, **extra)
 
 
