@@ -9,6 +9,8 @@
 
 Each run writes to ``runs/<date>/<time>/``: the config (``.hydra/``), TensorBoard events (``tb/``),
 checkpoints, and ``train.log``, what the run did (run_log.py; other ranks' files hold their own messages).
+An MoE run's checkpoints name experts by global index whatever ``expert_parallel`` wrote them (resume with
+any); in one process, ``GPTModule.load_from_checkpoint(ckpt, expert_parallel=1)`` builds every expert.
 Lightning starts the extra local processes by re-running this script with Hydra's run dir pinned, so
 every rank composes the same config. For sweeps over multi-process jobs, launch each job with
 torchrun or SLURM rather than Hydra's ``-m`` (Lightning's re-launch and multirun do not mix well).
