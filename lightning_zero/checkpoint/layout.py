@@ -86,7 +86,11 @@ class RankView:
 
     def all_names(self) -> list[str]:
         """The stored names of every rank's entries (this rank's, plus the other EP ranks' experts)."""
-        names = list(self.named_tensors())
+        return self.every_rank(list(self.named_tensors()))
+
+    def every_rank(self, names: list[str]) -> list[str]:
+        """Stored ``names`` of this rank -> every EP rank's, in the single-process order (experts.py
+        [Note: experts in sharded checkpoints])."""
         return names if self.experts is None else [n for n, _, _ in self.experts.expand(names)]
 
     def share(self, name: str) -> tuple[int, int]:
@@ -223,7 +227,7 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
     out: dict[str, Any] = {}
     records = [{
         "hyper": {key: v for key, v in pg.items() if key != "params"},
-        "params": _every_rank(view, [names.get(id(p), "") for p in engine.original_params[pi]]),
+        "params": view.every_rank([names.get(id(p), "") for p in engine.original_params[pi]]),
         "flat": [],
         "scalar": [],
     } for pi, pg in enumerate(opt.param_groups)]
@@ -252,11 +256,6 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
     if comm is not None:
         out[f"{prefix}comm.rank{view.global_rank}"] = comm
     return out, records
-
-
-def _every_rank(view: RankView, names: list[str]) -> list[str]:
-    """``names`` of this rank -> every EP rank's (experts.py [Note: experts in sharded checkpoints])."""
-    return names if view.experts is None else [n for n, _, _ in view.experts.expand(names)]
 
 
 def weight_info(view: RankView) -> dict[str, dict[str, Any]]:
