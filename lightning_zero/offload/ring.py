@@ -116,19 +116,18 @@ class ReadAheadRing:
             raise RuntimeError(f"all {len(self.slots)} slots of the read-ahead ring are held: a slot was not released")
         # A slot holding no read-ahead first; only when every free slot holds one, the oldest guess goes.
         slot = next((s for s in self._free.values() if s.key is None), None) or next(iter(self._free.values()))
-        del self._free[slot.index]
-        slot.held = True
         if slot.key is not None:  # a guess nobody took in time
             self._ahead.pop(slot.key, None)
             slot.key = None
             self.evicted += 1
             slot.wait(raise_errors=False)
-        else:
-            try:
-                slot.wait()
-            except BaseException:
-                self.release(slot)
-                raise
+        return self._hold(slot)
+
+    def _hold(self, slot: Slot) -> Slot:
+        """Take a free ``slot`` out of the free list once its I/O is done; on an I/O error it stays free."""
+        slot.wait()
+        del self._free[slot.index]
+        slot.held = True
         return slot
 
     def release(self, slot: Slot, ops: Iterable[SwapOp] = (), done: Any = None) -> None:
@@ -163,14 +162,7 @@ class ReadAheadRing:
         self.read_ahead(key, start)
         slot = self._ahead.pop(key)
         slot.key = None
-        del self._free[slot.index]
-        slot.held = True
-        try:
-            slot.wait()
-        except BaseException:
-            self.release(slot)
-            raise
-        return slot
+        return self._hold(slot)
 
     def evict(self, key: Hashable) -> None:
         """Forget ``key``'s read-ahead (its file is about to change), after its I/O finished."""
