@@ -24,7 +24,7 @@ the two functions below convert between a rank's local state and the global (EP 
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
 
@@ -74,10 +74,10 @@ def _layer_prefixes(module: nn.Module) -> dict[str, MoE]:
     return {(name + "." if name else ""): layer for name, layer in moe_layers(module)}
 
 
-def localize_expert_state(state: Mapping[str, Any], module: nn.Module, prefix: str = "") -> dict[str, Any]:
-    """A state dict in the global naming ([Note: expert state by global index]) -> ``module``'s own keys
-    on this rank: the experts this rank holds, renamed to their local index; other experts dropped;
-    every other entry kept. ``prefix``: what precedes ``module``'s names in ``state``."""
+def _renamed_experts(state: Mapping[str, Any], module: nn.Module, prefix: str,
+                     index_of: Callable[[MoE, int], Optional[int]]) -> dict[str, Any]:
+    """``state`` with each expert key's index replaced by ``index_of(layer, index)`` (dropped where it
+    gives None); every key that is not an expert of one of ``module``'s MoE layers kept as it is."""
     layers = _layer_prefixes(module)
     out: dict[str, Any] = {}
     for key, value in state.items():
@@ -86,23 +86,25 @@ def localize_expert_state(state: Mapping[str, Any], module: nn.Module, prefix: s
         if layer is None:
             out[key] = value
             continue
-        local = int(m.group("index")) - layer.ep_rank * layer.num_local_experts
-        if 0 <= local < layer.num_local_experts:
-            out[f"{prefix}{m.group('prefix')}experts.{local}.{m.group('rest')}"] = value
+        index = index_of(layer, int(m.group("index")))
+        if index is not None:
+            out[f"{prefix}{m.group('prefix')}experts.{index}.{m.group('rest')}"] = value
     return out
+
+
+def localize_expert_state(state: Mapping[str, Any], module: nn.Module, prefix: str = "") -> dict[str, Any]:
+    """A state dict in the global naming ([Note: expert state by global index]) -> ``module``'s own keys
+    on this rank: the experts this rank holds, renamed to their local index; other experts dropped;
+    every other entry kept. ``prefix``: what precedes ``module``'s names in ``state``."""
+
+    def local(layer: MoE, index: int) -> Optional[int]:
+        j = index - layer.ep_rank * layer.num_local_experts
+        return j if 0 <= j < layer.num_local_experts else None
+
+    return _renamed_experts(state, module, prefix, local)
 
 
 def globalize_expert_state(state: Mapping[str, Any], module: nn.Module, prefix: str = "") -> dict[str, Any]:
     """``module``'s own state dict on this rank -> the global naming (local expert ``j`` renamed to its
     global index); merging every EP rank's result gives the single-process model's state dict."""
-    layers = _layer_prefixes(module)
-    out: dict[str, Any] = {}
-    for key, value in state.items():
-        m = _EXPERT_KEY.match(key[len(prefix):]) if key.startswith(prefix) else None
-        layer = layers.get(m.group("prefix")) if m else None
-        if layer is None:
-            out[key] = value
-            continue
-        index = layer.global_expert_index(int(m.group("index")))
-        out[f"{prefix}{m.group('prefix')}experts.{index}.{m.group('rest')}"] = value
-    return out
+    return _renamed_experts(state, module, prefix, lambda layer, j: layer.global_expert_index(j))
