@@ -586,12 +586,11 @@ class GPTModule(L.LightningModule):
         """``strategy.tensor_parallel > 1``: each block's MLP split over ``self.device_mesh["tp"]`` with
         the ready plan (:func:`lightning_zero.parallel.tp_plan_gpt`), as under Lightning's
         ModelParallelStrategy; ZeRO then partitions each rank's TP shard over the data-parallel ranks.
-        Idempotent (Lightning calls it again for validate/test)."""
+        The pipeline form holds only this stage's layers by now; its blocks get the same split over the tp
+        ranks of the stage (lightning_zero/parallel/stage.py). Idempotent (Lightning calls it again for validate/test)."""
         mesh = self.device_mesh
         if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
             return
-        if not isinstance(self.model, GPT):
-            raise ValueError("tensor_parallel > 1 needs the plain GPT (no pipeline stages).")
         if not any(isinstance(p, DTensor) for p in self.model.parameters()):
             parallelize(self.model, mesh["tp"], tp_plan_gpt(self.model, mesh["tp"]))
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from lightning_zero.parallel.stage import stage_plan
 from lightning_zero.parallel.validate import check_plan
 
 HEAD_ATTRS = ("num_heads", "num_key_value_heads")
@@ -88,9 +89,18 @@ def tp_plan_gpt(model: nn.Module, tp: Union[int, DeviceMesh]) -> dict[str, Paral
     """Plan for the example GPT (examples/gpt.py): each block's MLP, ``mlp.fc`` column-wise and
     ``mlp.proj`` row-wise. The attention stays replicated: its fused ``qkv`` projection lays its output
     out as ``[q | k | v]``, so a contiguous column split would hand rank 0 all of q and part of k; it
-    needs a per-head interleaved layout first (left for later). ``tp`` must divide the MLP width."""
+    needs a per-head interleaved layout first (left for later). ``tp`` must divide the MLP width. The
+    pipeline form (``gpt_pipeline``, a stage's layers) gets the same split of the blocks it holds
+    (stage.py [Note: TP plans per pipeline stage])."""
     size = _tp_size(tp)
     blocks = getattr(model, "blocks", None)
+    if blocks is None and "layers" in dict(model.named_children()):  # gpt_pipeline: this stage's blocks
+        plan = stage_plan(model, {"mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()})
+        for name in plan:
+            linear = model.get_submodule(name)
+            if name.endswith("mlp.fc") and linear.out_features % size:
+                raise ValueError(f"tp_plan_gpt: MLP width {linear.out_features} not divisible by tensor_parallel={size}.")
+        return plan
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"tp_plan_gpt: {type(model).__name__} has no .blocks ModuleList (examples/gpt.py's GPT expected).")
     plan: dict[str, ParallelStyle] = {}

@@ -38,7 +38,9 @@ def check_tensor_parallel(module: nn.Module, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel={tp} but the module has no tensor-parallel (DTensor) parameters: apply a plan in "
             "configure_model, e.g. parallelize_module(self, self.device_mesh['tp'], "
-            "lightning_zero.parallel.tp_plan_llama(self.model, self.device_mesh['tp'])), before the strategy sets up."
+            "lightning_zero.parallel.tp_plan_llama(self.model, self.device_mesh['tp'])), before the strategy sets up. "
+            "Under pipeline stages every stage must hold tensor-parallel layers: parallelize the layers this stage "
+            "holds (lightning_zero.parallel.stage_plan) and split the layers so that each stage has some."
         )
     for name, p in dparams:
         mesh = p.device_mesh

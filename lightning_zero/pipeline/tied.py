@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.parallel.dtensor import is_tp_sharded, local_tensor
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.zero.engine import ZeroEngine
@@ -64,6 +65,7 @@ def broadcast_tied_weights(pipe: PipelineModule, copies: Sequence[TiedCopy], dev
         for copy in copies:
             module = pipe.tied_module(copy.key)
             for t in list(module.parameters()) + list(module.buffers()):
+                t = local_tensor(t)  # a TP-sharded tied module: each tp rank's copies share one TP shard
                 buf = t.data.to(C.device_for(copy.group, device))
                 C.broadcast(buf, 0, copy.group)
                 if buf is not t.data:
@@ -109,23 +111,28 @@ def count_tied_once(engine: ZeroEngine, copies: Sequence[TiedCopy]) -> None:
     The engine sums squared gradients over its data-parallel shards and over the pipeline stages
     (``norm_groups``); the copies on non-owning holders are the same numbers again, so their squares
     are summed over the same groups and subtracted. Every rank wraps every engine, so the extra
-    scalar all-reduces match across ranks.
+    scalar all-reduces match across ranks. Under tensor parallelism the duplicate squares are weighted
+    as the engine weights them (engine.py [Note: gradient norm under tensor parallelism]): a replicated
+    copy's by 1/tp, a TP-sharded copy's pieces by 1, then summed over tp as well.
     """
     dup_ids = {id(p) for c in copies if not c.owner for p in c.params}
-    pieces: list[tuple[int, int, int]] = []  # (group index, start in shard, length)
+    tp = getattr(engine, "tp_size", 1)
+    pieces: list[tuple[int, int, int, float]] = []  # (group index, start in shard, length, weight)
     for gi, fg in enumerate(engine.groups):
         shard = fg.shard if fg.layout.num_shards > 1 else 0
         for index, _, shard_start, length in fg.layout.param_pieces_in_shard(shard):
             if id(fg.params[index]) in dup_ids:
-                pieces.append((gi, shard_start, length))
+                weight = 1.0 if tp == 1 or is_tp_sharded(fg.params[index]) else 1.0 / tp
+                pieces.append((gi, shard_start, length, weight))
     groups = ([engine.dp_group] if engine.stage >= 1 else []) + list(engine.norm_groups)
+    groups += [engine.tp_group] if tp > 1 else []
     original = engine.global_grad_norm_sq
 
     def global_grad_norm_sq(grads: Sequence[Tensor]) -> Tensor:
         total = original(grads)
         dup = torch.zeros((), dtype=torch.float32, device=engine.device)
-        for gi, start, length in pieces:
-            dup += grads[gi][start : start + length].float().pow(2).sum()
+        for gi, start, length, weight in pieces:
+            dup += weight * grads[gi][start : start + length].float().pow(2).sum()
         for group in groups:
             C.all_reduce(dup, group, "sum")
         return (total - dup).clamp_min(0.0) if bool(torch.isfinite(total)) else total

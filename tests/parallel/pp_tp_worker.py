@@ -1,0 +1,77 @@
+"""Worker run under ``torchrun``: pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
+
+Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, steps, clip, expect
+('ckpt': a checkpoint save must be refused; the message is recorded). Rank 0 writes ``OUT/NAME.pt``:
+per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
+names merged) and every rank's coordinates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+warnings.filterwarnings("ignore")
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import lightning_zero  # noqa: E402
+from lightning_zero.comm import collectives as C  # noqa: E402
+from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.parallel.pp_tp_model import PPTPNet  # noqa: E402
+from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
+
+
+def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
+    strategy = lightning_zero.ZeroStrategy(
+        stage=int(opts.get("stage", 1)), pipeline_stages=int(opts.get("pp", 2)), tensor_parallel=int(opts.get("tp", 2)),
+        microbatches=int(opts.get("micro", 4)), schedule=opts.get("schedule", "1f1b"), bucket_size_mb=0.002,
+    )
+    return pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
+        precision="32-true", gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of every stage at its full value (collective: DTensors gathered over tp, then the
+    stages' dicts over all ranks)."""
+    mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    merged: dict[str, torch.Tensor] = {}
+    for part in C.all_gather_object(mine, None):
+        merged.update(part)
+    return merged
+
+
+def run(name: str, spec: str, out: str) -> None:
+    opts = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    pl.seed_everything(0, workers=True)
+    model = PPTPNet()
+    probe = GradNormProbe()
+    trainer = make_trainer(opts, [probe])
+    result: dict = {}
+    trainer.fit(model)
+    if opts.get("expect") == "ckpt":
+        try:
+            trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
+            result["error"] = None
+        except Exception as err:  # noqa: BLE001 - the message is the result
+            result["error"] = f"{type(err).__name__}: {err}"
+    dims = trainer.strategy.dims
+    result.update(losses=list(model.losses), grad_norms=list(probe.norms), weights=full_weights(model))
+    mine = {"coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank), "tp_params": model.tp_params,
+            "local_numel": sum(p._local_tensor.numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
+            "losses": list(model.losses)}
+    save_result(result, mine, out, name)
+
+
+if __name__ == "__main__":
+    run_specs(run)
