@@ -174,8 +174,10 @@ class ZeroConfig:
     host), by torch's own tools: ``configure_model`` calls ``parallelize_module(module,
     self.device_mesh["tp"], plan)`` (ready plans in :mod:`lightning_zero.parallel`). ZeRO then partitions
     each rank's TP shard over the data-parallel ranks; world size = data-parallel degree x
-    pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-3; not yet with offload
-    or pipeline stages."""
+    pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-3; with pipeline_stages
+    (stages 0-1) each stage's layers are parallelized over the tp sub-mesh of its pp rank
+    (lightning_zero/parallel/stage.py [Note: TP plans per pipeline stage]); with CPU offload (stages 1-3),
+    not yet with NVMe offload."""
 
     expert_parallel: int = 1
     """Mixture of Experts (issue #20): experts of every :class:`lightning_zero.moe.MoE` layer are split
@@ -282,10 +284,8 @@ class ZeroConfig:
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {tp!r}.")
         if tp == 1:
             return
-        if self.offloads:
-            raise ValueError(f"tensor_parallel={tp} with offload_optimizer/offload_params is not built yet.")
-        if self.pipeline_stages > 1:
-            raise ValueError(f"tensor_parallel={tp} with pipeline_stages={self.pipeline_stages} is not built yet.")
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            raise ValueError(f"tensor_parallel={tp} with NVMe offload (offload_optimizer/offload_params='nvme') is not built yet; 'cpu' is.")
 
     def _validate_expert_parallel(self) -> None:
         """What expert parallelism is not built with yet fails here, saying so (issue #20)."""

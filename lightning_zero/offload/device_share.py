@@ -129,12 +129,16 @@ class DeviceShare:
         g = self.group(gi)
         g.grad[lo - g.split : lo - g.split + reduced.numel()].add_(reduced)
 
-    def grad_sq(self) -> float:
-        """Squared L2 norm of the accumulated device-share gradients."""
+    def grad_sq(self, chunk_sq: Optional[Callable[[int, int, Tensor], Tensor]] = None) -> float:
+        """Squared L2 norm of the accumulated device-share gradients; ``chunk_sq(gi, shard_offset, grad)``
+        weighs them instead where given (tensor parallelism's replicated elements, offload/engine.py)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self._groups:
+        for gi, g in enumerate(self._groups):
             if g is not None and g.grad.numel():
-                total += torch.linalg.vector_norm(g.grad, dtype=torch.float64) ** 2
+                if chunk_sq is not None:
+                    total += chunk_sq(gi, g.split, g.grad).double()
+                else:
+                    total += torch.linalg.vector_norm(g.grad, dtype=torch.float64) ** 2
         return float(total)
 
     def zero_grads(self) -> None:

@@ -33,7 +33,6 @@ swapping fully) exactly as a GPU machine does; only streams, events and pinning 
 from __future__ import annotations
 
 import logging
-import math
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -57,6 +56,7 @@ from lightning_zero.offload.settings import OffloadSettings
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.optim import host_states
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.engine import _Pending
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
             for p in pg["params"]:
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
-                    total += p.numel()
+                    total += local_tensor(p).numel()  # a DTensor's TP shard is what this rank offloads
         return est.Workload(
             total, gpus_per_node=dp_size, compute_bytes=torch.empty((), dtype=compute_dtype).element_size(),
             bucket_numel=bucket_numel, delayed_update=self.offload.delayed_param_update,
@@ -265,7 +265,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
 
             def finalize_on_device() -> None:
                 share.land(gi, lo, out)
-                sq = out.float().pow(2).sum()
+                sq = self._chunk_sq(gi, lo, out)
                 self._dev_sq = sq if self._dev_sq is None else self._dev_sq + sq
                 if after is not None:
                     after()
@@ -289,7 +289,7 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
                 dst.copy_(out)  # the device-to-host copy (a separate host buffer on CPU too)
                 if eager is not None:
                     eager.submit(gi, lo, hi)
-            sq = out.float().pow(2).sum()
+            sq = self._chunk_sq(gi, lo, out)
             self._dev_sq = sq if self._dev_sq is None else self._dev_sq + sq
             if after is not None:
                 after()
@@ -313,13 +313,31 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
         self._sync_d2h()
         return [hg.value() for hg in self._grads]
 
+    def _chunk_sq(self, gi: int, lo: int, chunk: Tensor) -> Tensor:
+        """Squared norm of a gradient chunk starting at shard offset ``lo`` of group ``gi``, its replicated
+        TP elements weighted by 1/tp (zero/engine.py [Note: gradient norm under tensor parallelism])."""
+        sq = chunk.float().pow(2).sum()
+        tp = self.tp_size  # type: ignore[attr-defined]
+        if tp > 1:
+            hi = lo + chunk.numel()
+            for a, b in self._replicated[gi]:  # type: ignore[attr-defined]
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    sq = sq - (1.0 - 1.0 / tp) * chunk[a - lo : b - lo].float().pow(2).sum()
+        return sq
+
     def global_grad_norm_sq(self, grads: Any) -> Tensor:
         if self._backwards == 1 and self._dev_sq is not None:
-            local = self._dev_sq.sqrt().reshape(1)  # summed on the device as the chunks arrived
+            sq = self._dev_sq.float().clone()  # summed on the device as the chunks arrived (reduced in place next)
         else:
-            sq = sum_of_squares(list(grads)) + (self._share.grad_sq() if self._share is not None else 0.0)
-            local = torch.tensor([math.sqrt(sq)], device=self.device)
-        return super().global_grad_norm_sq([local])  # type: ignore[misc]
+            grads = list(grads)
+            total = sum_of_squares(grads) + (self._share.grad_sq(self._chunk_sq) if self._share is not None else 0.0)
+            tp = self.tp_size  # type: ignore[attr-defined]
+            if tp > 1:  # replicated TP elements counted once (zero/engine.py [Note: gradient norm under tensor parallelism])
+                total -= (1.0 - 1.0 / tp) * sum_of_squares([grads[gi][a:b] for gi in range(len(grads))
+                                                            for a, b in self._replicated[gi]])  # type: ignore[attr-defined]
+            sq = torch.tensor(total, dtype=torch.float32, device=self.device)
+        return self._reduce_grad_sq(sq)  # type: ignore[attr-defined]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._eager is not None:

@@ -352,6 +352,12 @@ class ZeroEngine:
             if self.tp_size > 1:  # [Note: gradient norm under tensor parallelism]
                 for a, b in self._replicated[gi]:
                     sq -= (1.0 - 1.0 / self.tp_size) * g[a:b].float().pow(2).sum()
+        return self._reduce_grad_sq(sq)
+
+    def _reduce_grad_sq(self, sq: Tensor) -> Tensor:
+        """This rank's squared gradient norm (replicated TP elements already weighted by 1/tp) summed over
+        every dim that splits the gradients; offload (offload/engine.py) sums its own squares, then this."""
+        replicated_experts = self.expert_comm is not None and not self._grads_are_sharded
         local = not self.reduce_gradients  # un-averaged local gradients: use the mean of the ranks' squares
         groups = ([self.dp_group] if self._grads_are_sharded or local or replicated_experts else []) + self.norm_groups
         groups += [self.tp_group] if self.tp_size > 1 else []

@@ -34,12 +34,31 @@ def test_rank_layout_is_pipeline_major_tp_innermost() -> None:
 
 
 @pytest.mark.parametrize("options,what", [
-    ({"stage": 3, "offload_params": "cpu"}, "offload"), ({"stage": 2, "offload_optimizer": "cpu"}, "offload"),
-    ({"stage": 1, "pipeline_stages": 2}, "pipeline_stages"),
+    ({"stage": 3, "offload_optimizer": "cpu", "offload_params": "nvme", "nvme_path": "/tmp"}, "NVMe"),
+    ({"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/tmp"}, "NVMe"),
 ])
 def test_not_built_yet_is_refused(options: dict, what: str) -> None:
     with pytest.raises(ValueError, match=f"tensor_parallel=2 with .*{what}.*not built yet"):
         ZeroStrategy(tensor_parallel=2, **options)
+
+
+def test_pipeline_x_tp_needs_stage_0_or_1() -> None:
+    ZeroStrategy(stage=1, tensor_parallel=2, pipeline_stages=2)
+    with pytest.raises(ValueError, match="ZeRO stage 2 cannot be combined with pipeline_stages=2"):
+        ZeroStrategy(stage=2, tensor_parallel=2, pipeline_stages=2)
+
+
+def test_stage_plan_refuses_a_layer_holding_part_of_the_plan() -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_zero.parallel import stage_plan
+    from tests.parallel.pp_tp_model import LAYER_PLAN, PPTPNet
+
+    pipe = PPTPNet(blocks=2).pipe
+    plan = stage_plan(pipe, LAYER_PLAN)
+    assert sorted({k.split(".")[1] for k in plan}) == ["1", "2"] and len(plan) == 14  # the blocks, not embed/norm
+    with pytest.raises(ValueError, match=r"layers.1 \(Block\) has \['attn.q_proj'\] but not \['attn.nope'\]"):
+        stage_plan(pipe, {"attn.q_proj": ColwiseParallel(), "attn.nope": RowwiseParallel()})
 
 
 def test_plan_naming_missing_modules() -> None:

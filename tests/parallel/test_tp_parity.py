@@ -7,6 +7,8 @@ TP-sharded parameters' pieces over tp and replicated ones once), 6 steps. One ``
 size; the oracle is a plain torch loop on rank 0 (tests/parallel/tp_worker.py). Stage 3 builds the model
 on the meta device in ``configure_model`` and materialises it unit by unit, TP shards included; the
 module's ``zero_init_module`` copies the oracle's initial weights in (each rank its TP shard's block).
+CPU offload of the optimizer (stages 1-3, also partial: offload_ratio 0.5) and of stage 3's parameters
+runs on the same local shards and is held to the same oracle.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def _check_parity(got: dict, ref: dict) -> None:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {"zero1": "zero1:tp=2,model=llama", "zero2": "zero2:tp=2,model=llama", "zero3": "zero3:tp=2,model=llama",
+            "zero1_offload": "zero1:tp=2,model=llama,offload_optimizer=cpu",
+            "zero3_offload": "zero3:tp=2,model=llama,offload_optimizer=cpu,offload_params=cpu",
             "ref": "ref:model=llama"}
     return run_worker(tmp_path_factory.mktemp("tp4"), 4, runs, timeout=1200, script=WORKER)
 
@@ -48,6 +52,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {"zero0": "zero0:tp=2,model=llama", "zero1": "zero1:tp=2,model=llama", "gpt2": "zero2:tp=2,model=gpt",
+            "zero2_partial_offload": "zero2:tp=2,model=llama,offload_optimizer=cpu,offload_ratio=0.5",
             "ref": "ref:model=llama", "ref_gpt": "ref:model=gpt"}
     return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, script=WORKER)
 
@@ -61,7 +66,15 @@ def test_dp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], stage: str) 
     assert got["per_rank"][0]["grad_norm"] > 0.05  # clipping was active
 
 
-@pytest.mark.parametrize("name,ref", [("zero0", "ref"), ("zero1", "ref"), ("gpt2", "ref_gpt")])
+@pytest.mark.parametrize("name", ["zero1_offload", "zero3_offload"])
+def test_cpu_offload_dp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], name: str) -> None:
+    """ZeRO-Offload (stage 1) and ZeRO-Infinity with CPU parameters (stage 3) on local TP shards: the
+    host step and the norm summed from the chunks as they land (replicated elements counted once)."""
+    _check_parity(four_ranks[name], four_ranks["ref"])
+
+
+@pytest.mark.parametrize("name,ref", [("zero0", "ref"), ("zero1", "ref"), ("gpt2", "ref_gpt"),
+                                      ("zero2_partial_offload", "ref")])
 def test_tp2_on_two_ranks_matches_one_process(two_ranks: dict[str, dict], name: str, ref: str) -> None:
     _check_parity(two_ranks[name], two_ranks[ref])
 

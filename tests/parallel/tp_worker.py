@@ -1,7 +1,8 @@
 """Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
 
 Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``zeroK:tp=T,model=llama|gpt`` (a Trainer fit under ZeroStrategy(stage=K, tensor_parallel=T), the
+``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu,offload_params=cpu,offload_ratio=R]`` (a Trainer fit
+under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
 LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model) or
 ``ref:model=llama|gpt`` (rank 0 only: the same model, data, AdamW and clipping in a plain torch loop on
 one process, the oracle). Rank 0 writes ``OUT/NAME.pt``: per-step global losses, final full weights,
@@ -119,7 +120,12 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
     kind = opts.get("model", "llama")
     tp = int(opts.get("tp", "2"))
     module = TPModule(kind)
-    extra = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: gather/release every unit
+    extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: gather/release every unit
+    for key in ("offload_optimizer", "offload_params"):  # ZeRO-Offload / ZeRO-Infinity on the local TP shards
+        if key in opts:
+            extra[key] = opts[key]
+    if "offload_ratio" in opts:
+        extra["offload_ratio"] = float(opts["offload_ratio"])
     strategy = lightning_zero.ZeroStrategy(stage=stage, tensor_parallel=tp, bucket_size_mb=0.002, **extra)
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
@@ -145,7 +151,7 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
         "grad_norm": strategy.grad_norm,
         # stage 3: what the parameters hold between steps (released: nothing) and the partition gathered from
         "held_param_bytes": storage_bytes(local_tensor(p) for p in module.model.parameters()),
-        "param_shard_bytes": storage_bytes(engine.param_shards()) if stage == 3 else None,
+        "param_shard_bytes": storage_bytes(engine.param_shards()) if stage == 3 and "offload_params" not in opts else None,
     }
     per_rank = C.all_gather_object(mine, None)
     with strategy.gathered_params() if stage == 3 else contextlib.nullcontext():  # stage 3 released them
