@@ -176,8 +176,8 @@ class ZeroConfig:
     each rank's TP shard over the data-parallel ranks; world size = data-parallel degree x
     pipeline_stages x tensor_parallel (lightning_zero/parallel_dims.py). Stages 0-3; with pipeline_stages
     (stages 0-1) each stage's layers are parallelized over the tp sub-mesh of its pp rank
-    (lightning_zero/parallel/stage.py [Note: TP plans per pipeline stage]); with CPU offload (stages 1-3),
-    not yet with NVMe offload."""
+    (lightning_zero/parallel/stage.py [Note: TP plans per pipeline stage]); with CPU and NVMe offload
+    (stages 1-3), on each rank's local TP shard."""
 
     expert_parallel: int = 1
     """Mixture of Experts (issue #20): experts of every :class:`lightning_zero.moe.MoE` layer are split
@@ -278,14 +278,11 @@ class ZeroConfig:
                 raise ValueError("compile_options is set but compile is False: set compile=True too.")
 
     def _validate_tensor_parallel(self) -> None:
-        """What tensor parallelism is not built with yet fails here, saying so (issue #17)."""
+        """tensor_parallel must be an integer >= 1 (what it cannot combine with is refused where that is
+        checked: expert_parallel below, pipeline stages' ZeRO stage in the pipeline checks)."""
         tp = self.tensor_parallel
         if isinstance(tp, bool) or not (isinstance(tp, int) and tp >= 1):
             raise ValueError(f"tensor_parallel must be an integer >= 1, got {tp!r}.")
-        if tp == 1:
-            return
-        if "nvme" in (self.offload_optimizer, self.offload_params):
-            raise ValueError(f"tensor_parallel={tp} with NVMe offload (offload_optimizer/offload_params='nvme') is not built yet; 'cpu' is.")
 
     def _validate_expert_parallel(self) -> None:
         """What expert parallelism is not built with yet fails here, saying so (issue #20)."""

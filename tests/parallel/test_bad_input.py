@@ -33,15 +33,6 @@ def test_rank_layout_is_pipeline_major_tp_innermost() -> None:
     assert dims[0].dp_ranks(0, 1) == [1, 3] and dims[0].pp_ranks(1, 0) == [2, 6]
 
 
-@pytest.mark.parametrize("options,what", [
-    ({"stage": 3, "offload_optimizer": "cpu", "offload_params": "nvme", "nvme_path": "/tmp"}, "NVMe"),
-    ({"stage": 2, "offload_optimizer": "nvme", "nvme_path": "/tmp"}, "NVMe"),
-])
-def test_not_built_yet_is_refused(options: dict, what: str) -> None:
-    with pytest.raises(ValueError, match=f"tensor_parallel=2 with .*{what}.*not built yet"):
-        ZeroStrategy(tensor_parallel=2, **options)
-
-
 def test_pipeline_x_tp_needs_stage_0_or_1() -> None:
     ZeroStrategy(stage=1, tensor_parallel=2, pipeline_stages=2)
     with pytest.raises(ValueError, match="ZeRO stage 2 cannot be combined with pipeline_stages=2"):

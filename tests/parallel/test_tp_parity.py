@@ -7,8 +7,9 @@ TP-sharded parameters' pieces over tp and replicated ones once), 6 steps. One ``
 size; the oracle is a plain torch loop on rank 0 (tests/parallel/tp_worker.py). Stage 3 builds the model
 on the meta device in ``configure_model`` and materialises it unit by unit, TP shards included; the
 module's ``zero_init_module`` copies the oracle's initial weights in (each rank its TP shard's block).
-CPU offload of the optimizer (stages 1-3, also partial: offload_ratio 0.5) and of stage 3's parameters
-runs on the same local shards and is held to the same oracle.
+CPU offload of the optimizer (stages 1-3, also partial: offload_ratio 0.5) and of stage 3's parameters,
+and NVMe offload of both (swap files in a temporary directory), run on the same local shards and are held
+to the same oracle.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {"zero0": "zero0:tp=2,model=llama", "zero1": "zero1:tp=2,model=llama", "gpt2": "zero2:tp=2,model=gpt",
             "zero2_partial_offload": "zero2:tp=2,model=llama,offload_optimizer=cpu,offload_ratio=0.5",
+            "zero3_nvme": "zero3:tp=2,model=llama,offload_optimizer=nvme,offload_params=nvme",
             "ref": "ref:model=llama", "ref_gpt": "ref:model=gpt"}
     return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, script=WORKER)
 
@@ -74,7 +76,7 @@ def test_cpu_offload_dp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], 
 
 
 @pytest.mark.parametrize("name,ref", [("zero0", "ref"), ("zero1", "ref"), ("gpt2", "ref_gpt"),
-                                      ("zero2_partial_offload", "ref")])
+                                      ("zero2_partial_offload", "ref"), ("zero3_nvme", "ref")])
 def test_tp2_on_two_ranks_matches_one_process(two_ranks: dict[str, dict], name: str, ref: str) -> None:
     _check_parity(two_ranks[name], two_ranks[ref])
 

@@ -1,7 +1,7 @@
 """Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
 
 Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu,offload_params=cpu,offload_ratio=R]`` (a Trainer fit
+``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,offload_ratio=R]`` (a Trainer fit
 under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
 LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model) or
 ``ref:model=llama|gpt`` (rank 0 only: the same model, data, AdamW and clipping in a plain torch loop on
@@ -11,9 +11,12 @@ and per-rank optimizer-state bytes with the numbers they are checked against.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import torch
@@ -124,6 +127,8 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
     for key in ("offload_optimizer", "offload_params"):  # ZeRO-Offload / ZeRO-Infinity on the local TP shards
         if key in opts:
             extra[key] = opts[key]
+    if "nvme" in (opts.get("offload_optimizer"), opts.get("offload_params")):  # removed after the run
+        extra["nvme_path"] = tempfile.mkdtemp(prefix="tp_nvme_")
     if "offload_ratio" in opts:
         extra["offload_ratio"] = float(opts["offload_ratio"])
     strategy = lightning_zero.ZeroStrategy(stage=stage, tensor_parallel=tp, bucket_size_mb=0.002, **extra)
@@ -132,7 +137,11 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision="32-true", use_distributed_sampler=False,
     )
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    finally:
+        if "nvme_path" in extra:
+            atexit.register(shutil.rmtree, extra["nvme_path"], True)  # after the engines close their swap files
     engine = strategy.engines[0]
     opt = trainer.optimizers[0]
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
