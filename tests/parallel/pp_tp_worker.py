@@ -2,7 +2,8 @@
 
 Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
 ``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, steps, clip, expect
-('ckpt': a checkpoint save must be refused; the message is recorded). Rank 0 writes ``OUT/NAME.pt``:
+('ckpt': a checkpoint save after fit must be refused; 'early': a fit with a ModelCheckpoint callback
+must be refused at setup; the message is recorded). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
 names merged) and every rank's coordinates.
 """
@@ -28,14 +29,14 @@ from tests.parallel.pp_tp_model import PPTPNet  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
 
 
-def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
+def make_trainer(opts: dict[str, str], callbacks: list, checkpointing: bool = False) -> pl.Trainer:
     strategy = lightning_zero.ZeroStrategy(
         stage=int(opts.get("stage", 1)), pipeline_stages=int(opts.get("pp", 2)), tensor_parallel=int(opts.get("tp", 2)),
         microbatches=int(opts.get("micro", 4)), schedule=opts.get("schedule", "1f1b"), bucket_size_mb=0.002,
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
-        precision="32-true", gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=False,
+        precision="32-true", gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=checkpointing,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         callbacks=callbacks,
     )
@@ -56,8 +57,16 @@ def run(name: str, spec: str, out: str) -> None:
     pl.seed_everything(0, workers=True)
     model = PPTPNet()
     probe = GradNormProbe()
-    trainer = make_trainer(opts, [probe])
     result: dict = {}
+    if opts.get("expect") == "early":  # a ModelCheckpoint callback: refused at setup, before any step
+        try:
+            make_trainer(opts, [], checkpointing=True).fit(model)
+            result["error"] = None
+        except NotImplementedError as err:
+            result["error"] = str(err)
+        save_result(result, {"losses": list(model.losses)}, out, name)
+        return
+    trainer = make_trainer(opts, [probe])
     trainer.fit(model)
     if opts.get("expect") == "ckpt":
         try:

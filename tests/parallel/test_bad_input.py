@@ -52,6 +52,20 @@ def test_stage_plan_refuses_a_layer_holding_part_of_the_plan() -> None:
         stage_plan(pipe, {"attn.q_proj": ColwiseParallel(), "attn.nope": RowwiseParallel()})
 
 
+def test_gpt_plan_for_the_pipeline_form_covers_the_stage_blocks() -> None:
+    """examples/gpt.py's configure_model applies tp_plan_gpt to either form; the pipeline form's plan
+    names the blocks' MLPs of the layers the stage holds (here all of them: not placed)."""
+    from examples.gpt import GPTConfig, gpt_pipeline
+
+    from lightning_zero.parallel import tp_plan_gpt
+
+    pipe = gpt_pipeline(GPTConfig(vocab_size=16, n_layer=2, n_head=2, d_model=8, seq_len=4))
+    plan = tp_plan_gpt(pipe, 2)
+    assert sorted(plan) == ["layers.1.mlp.fc", "layers.1.mlp.proj", "layers.2.mlp.fc", "layers.2.mlp.proj"]
+    with pytest.raises(ValueError, match="MLP width 32 not divisible by tensor_parallel=3"):
+        tp_plan_gpt(pipe, 3)
+
+
 def test_plan_naming_missing_modules() -> None:
     model = _llama()
     with pytest.raises(ValueError, match=r"do not exist.*model\.layers\.7\.self_attn\.q_proj"):

@@ -50,7 +50,8 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    runs = {"pp2_tp2": "pp=2,tp=2,stage=1", "pp2_tp2_gpipe_zero0": "pp=2,tp=2,stage=0,schedule=gpipe,expect=ckpt"}
+    runs = {"pp2_tp2": "pp=2,tp=2,stage=1", "pp2_tp2_gpipe_zero0": "pp=2,tp=2,stage=0,schedule=gpipe,expect=ckpt",
+            "early": "pp=2,tp=2,expect=early"}
     return run_worker(tmp_path_factory.mktemp("pptp"), 4, runs, timeout=900, script=WORKER)
 
 
@@ -77,5 +78,10 @@ def test_layout_and_stage_shards(four_ranks: dict[str, dict]) -> None:
 
 
 def test_checkpoints_refused(four_ranks: dict[str, dict]) -> None:
+    """Not built yet: a save after fit is refused before any gather, and a fit with a checkpoint
+    callback is refused at setup, before its first step, on every rank."""
     err = four_ranks["pp2_tp2_gpipe_zero0"]["error"]
-    assert err is not None and "pipeline_stages" in err and "tensor_parallel" in err and "not built" in err
+    assert err is not None and "pipeline_stages=2 and tensor_parallel=2" in err and "not built" in err
+    early = four_ranks["early"]
+    assert early["error"] is not None and "enable_checkpointing=False" in early["error"]
+    assert all(r["losses"] == [] for r in early["per_rank"])
