@@ -11,11 +11,21 @@ gradient handed back to the user is a DTensor wrapping a view of the flat gradie
 accumulates into that buffer in place. Parameters that are not DTensors (embeddings, norms outside the
 plan) and DTensors replicated over tp get identical gradients on every tp rank after TP's own
 collectives; only the gradient norm must tell the two kinds apart (:func:`is_tp_sharded`).
+
+[Note: a DTensor's dtype is its own]
+A DTensor carries its dtype in the wrapper, apart from its local piece: re-pointing the local piece at a
+16-bit buffer (mixed precision) would leave an fp32 DTensor around bf16 storage, and autograd then
+refuses the 16-bit gradient. So where the dtype changes, :func:`point_local` swaps in a new DTensor
+parameter wrapping the view (``torch.utils.swap_tensors``, as ``nn.Module._apply`` does for tensor
+subclasses): the parameter object keeps its identity (optimizer, module and engine references) and
+takes the view's dtype.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+from torch.nn import Parameter
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -24,6 +34,19 @@ def local_tensor(t: Tensor) -> Tensor:
     """The rank's own storage of ``t``: the local shard of a DTensor, ``t`` itself otherwise. Setting
     ``.data`` of what this returns re-points the DTensor's local piece (see the note)."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def point_local(param: Tensor, view: Tensor) -> None:
+    """Make ``view`` the storage of ``param`` (of its local TP shard for a DTensor; ``view`` has the
+    local shape), in ``view``'s dtype ([Note: a DTensor's dtype is its own])."""
+    if not isinstance(param, DTensor):
+        param.data = view
+    elif view.dtype == param.dtype:
+        param._local_tensor.data = view
+    else:
+        new = DTensor.from_local(view, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                 stride=param.stride())
+        torch.utils.swap_tensors(param, Parameter(new, requires_grad=param.requires_grad))
 
 
 def is_tp_sharded(t: Tensor) -> bool:

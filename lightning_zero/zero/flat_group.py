@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_zero.parallel.dtensor import grad_like, local_tensor
+from lightning_zero.parallel.dtensor import grad_like, local_tensor, point_local
 from lightning_zero.zero.partition import FlatLayout
 
 BufferFactory = Callable[[int, torch.dtype], Tensor]
@@ -88,7 +88,7 @@ class FlatParamGroup(ShardViews):
             p = local_tensor(params[slot.index])  # parallel/dtensor.py [Note: ZeRO sees the local TP shard]
             view = self.flat_param[slot.offset : slot.offset + slot.numel].view(p.shape)
             view.copy_(p.detach())
-            p.data = view
+            point_local(params[slot.index], view)  # a DTensor takes the compute dtype too
         self.flat_grad: Optional[Tensor] = None
         """Full gradient buffer (stages 0 and 1); parameters' ``.grad`` are views into it."""
         self.grad_shard: Optional[Tensor] = None

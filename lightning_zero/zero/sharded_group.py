@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn import Parameter
 
-from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.flat_group import BufferFactory, ShardViews
 from lightning_zero.zero.partition import FlatLayout
 
@@ -83,7 +83,7 @@ class ShardedParamGroup(ShardViews):
         for si in b.slots:
             slot = self.layout.slots[si]
             p = local_tensor(self.params[slot.index])
-            p.data = buf[slot.offset - b.start : slot.offset - b.start + slot.numel].view(p.shape)
+            point_local(self.params[slot.index], buf[slot.offset - b.start : slot.offset - b.start + slot.numel].view(p.shape))
         self.free(bucket_index)
 
     def gather_source(self, bucket_index: int) -> Tensor:

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
-from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
@@ -490,7 +490,7 @@ class Stage3Engine(Stage2Engine):
             full = gather_flat(self, fg, fg.master)
             for slot in fg.layout.slots:
                 p = local_tensor(fg.params[slot.index])
-                p.data = full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone()
+                point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone())
         self._gathered.clear()
         self._pending.clear()
 

@@ -1,7 +1,7 @@
 """Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
 
 Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,offload_ratio=R]`` (a Trainer fit
+``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,offload_ratio=R,precision=P]`` (a Trainer fit
 under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
 LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model) or
 ``ref:model=llama|gpt`` (rank 0 only: the same model, data, AdamW and clipping in a plain torch loop on
@@ -135,7 +135,7 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
     trainer = pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, precision="32-true", use_distributed_sampler=False,
+        enable_model_summary=False, num_sanity_val_steps=0, precision=opts.get("precision", "32-true"), use_distributed_sampler=False,
     )
     try:
         trainer.fit(module)
@@ -153,6 +153,8 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
         "local_numel": local_numel,
         "full_numel": sum(p.numel() for p in module.model.parameters()),
         "dtensor_params": sum(isinstance(p, DTensor) for p in module.model.parameters()),
+        "dtensor_dtypes": sorted({str(p.dtype) for p in module.model.parameters() if isinstance(p, DTensor)}),
+        "local_dtypes": sorted({str(local_tensor(p).dtype) for p in module.model.parameters() if isinstance(p, DTensor)}),
         "dp": strategy.dims.dp, "tp": strategy.dims.tp, "tp_rank": strategy.dims.tp_rank, "dp_rank": strategy.dims.dp_rank,
         "losses": list(module.losses),
         "mesh_seen": module.mesh_seen,
