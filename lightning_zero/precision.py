@@ -19,11 +19,13 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import LossScaleConfig
+from lightning_zero.parallel.dtensor import grad_like, local_tensor, point_local
 from lightning_zero.zero.loss_scaler import DynamicLossScaler
 
 VALID_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -71,8 +73,32 @@ class ZeroPrecision(Precision):
         return self.compute_dtype != torch.float32
 
     def cast_module(self, module: Module) -> Module:
-        """The module in the compute dtype (the strategy calls it once the engines hold fp32 masters)."""
-        return module.to(self.compute_dtype) if self.is_mixed else module
+        """The module in the compute dtype (the strategy calls it once the engines hold fp32 masters).
+
+        With DTensor parameters (tensor parallelism) not through ``module.to``: ``nn.Module._apply`` swaps
+        every DTensor parameter and its gradient for converted copies, which cuts the engines' gradient
+        views out of the flat buffers (``.grad`` then stops accumulating there and those weights never
+        step). Engine-managed DTensors are in the compute dtype already; others are cast by local shard
+        (parallel/dtensor.py [Note: a DTensor's dtype is its own]), plain tensors as ``module.to`` does."""
+        if not self.is_mixed:
+            return module
+        dtype = self.compute_dtype
+        if not any(isinstance(p, DTensor) for p in module.parameters()):
+            return module.to(dtype)
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if isinstance(p, DTensor):
+                    point_local(p, local_tensor(p).detach().to(dtype))
+                else:
+                    p.data = p.data.to(dtype)
+                if p.grad is not None:
+                    p.grad = grad_like(p, local_tensor(p.grad).to(dtype))
+            for name, b in m._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != dtype:
+                    m._buffers[name] = b.to(dtype)
+        return module
 
     @override
     def convert_module(self, module: Module) -> Module:

@@ -85,11 +85,16 @@ def test_tp2_on_two_ranks_matches_one_process(two_ranks: dict[str, dict], name: 
 def test_bf16_mixed_tp_trains_close_to_fp32(two_ranks: dict[str, dict]) -> None:
     """Mixed precision keeps working under TP: the DTensor parameters take the 16-bit compute dtype with
     their local shards (parallel/dtensor.py [Note: a DTensor's dtype is its own]; an fp32 DTensor around
-    bf16 storage failed at setup), and training tracks the fp32 oracle within bf16's precision."""
+    bf16 storage failed at setup; ``module.to(bf16)`` swapped the DTensor gradients out of the flat buffer,
+    so the TP weights never stepped: losses 6e-3 and projections 80% off), and training tracks the fp32
+    oracle within bf16's precision (measured: losses 4e-4, weights at most 9% after 6 Adam steps)."""
     got = two_ranks["zero2_bf16"]
     for r in got["per_rank"]:
         assert r["dtensor_dtypes"] == r["local_dtypes"] == ["torch.bfloat16"]
-    assert _rel(got["losses"], two_ranks["ref"]["losses"]) < 2e-2
+    assert _rel(got["losses"], two_ranks["ref"]["losses"]) < 2e-3
+    for name, w in two_ranks["ref"]["weights"].items():
+        rel = float((got["weights"][name].double() - w.double()).norm() / w.double().norm())
+        assert rel < 0.2, (name, rel)
 
 
 def test_module_sees_the_mesh(four_ranks: dict[str, dict]) -> None:
