@@ -1,7 +1,7 @@
 """Worker run under ``torchrun``: pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
 
 Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, steps, clip, expect
+``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, precision, steps, clip, expect
 ('ckpt': a checkpoint save after fit must be refused; 'early': a fit with a ModelCheckpoint callback
 must be refused at setup; the message is recorded). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
@@ -36,7 +36,7 @@ def make_trainer(opts: dict[str, str], callbacks: list, checkpointing: bool = Fa
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
-        precision="32-true", gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=checkpointing,
+        precision=opts.get("precision", "32-true"), gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=checkpointing,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         callbacks=callbacks,
     )
