@@ -106,17 +106,6 @@ class CheckpointMixin:
         [Note: experts in sharded checkpoints]). Under tensor parallelism it is: tp_full.py."""
         refuse_full_format(self.config.expert_parallel, what)  # type: ignore[attr-defined]
 
-    def _refuse_pipeline_tp(self, what: str) -> None:
-        """Checkpoints of pipeline stages x tensor parallelism are not built yet (issue #17): refused before
-        any gather, naming what is (sharded or full checkpoints of either alone)."""
-        dims = self.dims  # type: ignore[attr-defined]
-        if dims is not None and dims.pp > 1 and dims.tp > 1:
-            raise NotImplementedError(
-                f"{what} with pipeline_stages={dims.pp} and tensor_parallel={dims.tp} together is not built yet; "
-                "checkpoints work with pipeline stages or tensor parallelism alone. Train without checkpoints "
-                "(Trainer(enable_checkpointing=False)) or use one of the two."
-            )
-
     def _tp_group(self) -> Optional[Any]:
         """The tensor-parallel group when DTensor parameters are split over tp (None otherwise)."""
         dims = self.dims  # type: ignore[attr-defined]
@@ -126,7 +115,6 @@ class CheckpointMixin:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
         self._refuse_full_format("A full state dict (checkpoint_format='full', full_state_dict())")
-        self._refuse_pipeline_tp("A full state dict")
         module = self._zero_module  # type: ignore[attr-defined]
         assert module is not None
         state = module.state_dict()
@@ -153,7 +141,6 @@ class CheckpointMixin:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
         gathered); full format: :meth:`full_state_dict`."""
-        self._refuse_pipeline_tp("A checkpoint")
         if self._sharded():
             return ShardedStateDict()
         return self.full_state_dict()
@@ -213,7 +200,6 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """A sharded directory: its ``meta.pt`` (Lightning's entries) with markers for the weights and
         optimizer states, read later piece by piece; a file: the usual ``torch.load``."""
-        self._refuse_pipeline_tp("Loading a checkpoint")
         path = Path(checkpoint_path)
         if atomic.is_sharded_checkpoint(path):
             meta = read_meta(path)

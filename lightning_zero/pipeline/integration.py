@@ -90,14 +90,6 @@ class PipelineIntegration:
     def attach(self, trainer: Any, engines: Sequence[ZeroEngine], loss_scale: Callable[[], Optional[float]]) -> None:
         """Attach the runtime (end of strategy.setup, after the engines exist). Collective."""
         assert self.pipe is not None, "prepare() first"
-        if self.dims.tp > 1 and getattr(getattr(trainer, "state", None), "fn", None) == "fit" and getattr(
-            trainer, "checkpoint_callbacks", None
-        ):  # refused before training, not at the first save (checkpoint/strategy_io.py refuses saves and loads)
-            raise NotImplementedError(
-                f"Checkpoints with pipeline_stages={self.dims.pp} and tensor_parallel={self.dims.tp} together are not "
-                "built yet: train with Trainer(enable_checkpointing=False) (examples/train.py: checkpoint.enabled=false), "
-                "or use pipeline stages or tensor parallelism alone."
-            )
         # The first operation on a group must involve all its ranks (NCCL's rule for batched p2p).
         C.all_reduce(torch.zeros(1, device=C.device_for(self.dims.pp_group, self.device)), self.dims.pp_group)
         if getattr(getattr(trainer, "state", None), "fn", None) != "fit":

@@ -1,9 +1,9 @@
 """Worker run under ``torchrun``: pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
 
 Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, precision, steps, clip, expect
-('ckpt': a checkpoint save after fit must be refused; 'early': a fit with a ModelCheckpoint callback
-must be refused at setup; the message is recorded). Rank 0 writes ``OUT/NAME.pt``:
+``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, precision, steps, clip, fmt
+(checkpoint_format), save=ID (train save_at=3 steps, save ``OUT/ID.ckpt``; rank 0 consolidates a sharded
+one), resume=ID (train to ``steps`` from ``OUT/ID.ckpt``, in this run's layout). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
 names merged) and every rank's coordinates.
 """
@@ -24,19 +24,20 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
+from lightning_zero.checkpoint import load_consolidated  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 from tests.parallel.pp_tp_model import PPTPNet  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
 
 
-def make_trainer(opts: dict[str, str], callbacks: list, checkpointing: bool = False) -> pl.Trainer:
-    strategy = lightning_zero.ZeroStrategy(
+def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
+    strategy = lightning_zero.ZeroStrategy(checkpoint_format=opts.get("fmt", "sharded"),
         stage=int(opts.get("stage", 1)), pipeline_stages=int(opts.get("pp", 2)), tensor_parallel=int(opts.get("tp", 2)),
         microbatches=int(opts.get("micro", 4)), schedule=opts.get("schedule", "1f1b"), bucket_size_mb=0.002,
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
-        precision=opts.get("precision", "32-true"), gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=checkpointing,
+        precision=opts.get("precision", "32-true"), gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         callbacks=callbacks,
     )
@@ -58,22 +59,20 @@ def run(name: str, spec: str, out: str) -> None:
     model = PPTPNet()
     probe = GradNormProbe()
     result: dict = {}
-    if opts.get("expect") == "early":  # a ModelCheckpoint callback: refused at setup, before any step
-        try:
-            make_trainer(opts, [], checkpointing=True).fit(model)
-            result["error"] = None
-        except NotImplementedError as err:
-            result["error"] = str(err)
-        save_result(result, {"losses": list(model.losses)}, out, name)
-        return
-    trainer = make_trainer(opts, [probe])
-    trainer.fit(model)
-    if opts.get("expect") == "ckpt":
-        try:
-            trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))
-            result["error"] = None
-        except Exception as err:  # noqa: BLE001 - the message is the result
-            result["error"] = f"{type(err).__name__}: {err}"
+    ckpt = opts.get("save") or opts.get("resume")
+    if "save" in opts:  # train part of the way, save (sharded or full), consolidate a sharded one on rank 0
+        trainer = make_trainer({**opts, "steps": opts.get("save_at", "3")}, [probe])
+        trainer.fit(model)
+        path = os.path.join(out, f"{ckpt}.ckpt")
+        trainer.save_checkpoint(path)
+        C.barrier(None)
+        if trainer.is_global_zero and os.path.isdir(path):
+            result["consolidated"] = load_consolidated(path)["state_dict"]
+        result["saved_weights"] = full_weights(model)
+        result["full_state_dict"] = trainer.strategy.full_state_dict()
+    else:
+        trainer = make_trainer(opts, [probe])
+        trainer.fit(model, ckpt_path=os.path.join(out, f"{ckpt}.ckpt") if ckpt else None)
     dims = trainer.strategy.dims
     result.update(losses=list(model.losses), grad_norms=list(probe.norms), weights=full_weights(model))
     mine = {"coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank), "tp_params": model.tp_params,
