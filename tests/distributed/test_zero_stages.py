@@ -13,14 +13,9 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_worker
+from tests.helpers.compare import max_rel as _rel
 
 STAGES = ["zero0", "zero1", "zero2"]
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0
-    return float(((ta - tb).abs() / tb.abs()).max())
 
 
 def _weights_rel(w: dict, ref: dict) -> dict[str, float]:

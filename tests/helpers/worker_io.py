@@ -44,3 +44,13 @@ def run_specs(run: Callable[[str, str, str], None]) -> None:
     for item in sys.argv[2:]:
         name, _, spec = item.partition("=")
         run(name, spec, out)
+
+
+def parse_specs(argv: list[str]) -> list[tuple[str, str, dict[str, str]]]:
+    """``name=kind:key=value,...`` arguments -> (name, kind, options), in order."""
+    out = []
+    for arg in argv:
+        name, spec = arg.split("=", 1)
+        kind, _, rest = spec.partition(":")
+        out.append((name, kind, dict(kv.split("=", 1) for kv in rest.split(",") if kv)))
+    return out

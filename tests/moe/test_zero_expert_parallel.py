@@ -9,9 +9,9 @@ tests/moe/zero_ep_worker.py within 1e-4. One ``torchrun`` runs every case of a w
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.launch import run_worker
+from tests.helpers.compare import max_rel as _rel, tensor_rel
 
 TOL = 1e-4
 WORKER = "tests/moe/zero_ep_worker.py"
@@ -22,12 +22,6 @@ FOUR = {"zero0_top1": ("zero0:ep=2,top_k=1", "ref1"), "zero2_top2": ("zero2:ep=2
         "zero3_top1": ("zero3:ep=2,top_k=1", "ref1")}
 
 
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
-    return float(((ta - tb).abs() / tb.abs()).max())
-
-
 def _check_parity(got: dict, ref: dict) -> None:
     assert _rel(got["losses"], ref["losses"]) < TOL
     assert _rel(got["norms"], ref["norms"]) < TOL
@@ -35,7 +29,7 @@ def _check_parity(got: dict, ref: dict) -> None:
     assert set(got["weights"]) == set(ref["weights"])
     for name, w in ref["weights"].items():
         g = got["weights"][name]
-        rel = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-12))
+        rel = tensor_rel(g, w)
         assert rel < TOL, (name, rel)
     for r in got["per_rank"]:
         assert _rel(r["losses"], ref["losses"]) < TOL

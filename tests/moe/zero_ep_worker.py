@@ -33,7 +33,7 @@ from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import aux_loss  # noqa: E402
 from lightning_zero.moe.parallel import globalize_expert_state, localize_expert_state, moe_layers  # noqa: E402
-from tests.helpers.worker_io import save_atomic  # noqa: E402
+from tests.helpers.worker_io import parse_specs, save_atomic  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP, E = 4, 8, 16, 48, 1e-2, 0.5, 4
 
@@ -158,10 +158,7 @@ def run_ref(opts: dict[str, str], world: int) -> dict:
 def main() -> None:
     out = sys.argv[1]
     results, refs = {}, []
-    for arg in sys.argv[2:]:
-        name, spec = arg.split("=", 1)
-        kind, _, rest = spec.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    for name, kind, opts in parse_specs(sys.argv[2:]):
         if kind == "ref":
             refs.append((name, opts))
             continue

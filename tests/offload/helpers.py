@@ -6,9 +6,9 @@ import warnings
 from typing import Any, Optional
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_zero import ZeroStrategy
+from tests.helpers.compare import max_rel
 from tests.helpers.parity_model import ParityNet
 
 
@@ -37,7 +37,4 @@ def fit(steps: int = 4, callbacks: Optional[list] = None, model: Optional[pl.Lig
     return t, model
 
 
-def rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0
-    return float(((ta - tb).abs() / tb.abs()).max())
+rel = max_rel  # the parity tests' one definition (tests/helpers/compare.py)

@@ -20,20 +20,14 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-import torch
 
 from tests.helpers.launch import run_worker
 from tests.parallel.pp_tp_model import PPTPNet
 from tests.pipeline.pipe_model import GradNormProbe
+from tests.helpers.compare import max_rel as _rel
 
 TOL = 1e-4
 WORKER = "tests/parallel/pp_tp_worker.py"
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
-    return float(((ta - tb).abs() / tb.abs()).max())
 
 
 def _single_process(steps: int, ckpt: Optional[Path] = None, save: Optional[Path] = None) -> dict:

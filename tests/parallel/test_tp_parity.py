@@ -15,18 +15,12 @@ to the same oracle.
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests.helpers.compare import max_rel as _rel, tensor_rel
 from tests.helpers.launch import run_worker
 
 TOL = 1e-4
 WORKER = "tests/parallel/tp_worker.py"
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
-    return float(((ta - tb).abs() / tb.abs()).max())
 
 
 def _check_parity(got: dict, ref: dict) -> None:
@@ -35,7 +29,7 @@ def _check_parity(got: dict, ref: dict) -> None:
     for name, w in ref["weights"].items():
         g = got["weights"][name]
         assert g.shape == w.shape, name
-        rel = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-12))
+        rel = tensor_rel(g, w)
         assert rel < TOL, (name, rel)
     for r in got["per_rank"]:  # every rank saw the same global losses
         assert _rel(r["losses"], ref["losses"]) < TOL

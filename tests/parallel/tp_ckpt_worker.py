@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.distributed.tensor.parallel import parallelize_module  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
+from tests.helpers.fit_epochs import fit_epochs  # noqa: E402
 from lightning_zero.parallel import tp_plan_llama  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_atomic, save_result  # noqa: E402
 from tests.parallel.tp_worker import BATCH, CLIP, LR, TPModule, build, full_weights, loss_of, tokens  # noqa: E402
@@ -109,15 +109,7 @@ class CkptModule(TPModule):
 
 
 def _fit(opts: dict[str, str], module: CkptModule, ckpt_dir: str = "", ckpt_path: str | None = None) -> pl.Trainer:
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)] if ckpt_dir else []
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=_strategy(opts), max_epochs=EPOCHS,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, precision="32-true",
-        use_distributed_sampler=False,
-    )
-    trainer.fit(module, ckpt_path=ckpt_path)
-    return trainer
+    return fit_epochs(_strategy(opts), module, EPOCHS, CLIP, ckpt_dir, ckpt_path)
 
 
 def _coords(trainer: pl.Trainer) -> dict:

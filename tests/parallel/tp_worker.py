@@ -34,7 +34,7 @@ from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
 from lightning_zero.parallel.dtensor import local_block, local_tensor  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
-from tests.helpers.worker_io import save_atomic  # noqa: E402
+from tests.helpers.worker_io import parse_specs, save_atomic  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
@@ -190,10 +190,7 @@ def main() -> None:
     out = sys.argv[1]
     results = {}
     refs = []
-    for arg in sys.argv[2:]:
-        name, spec = arg.split("=", 1)
-        kind, _, rest = spec.partition(":")
-        opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    for name, kind, opts in parse_specs(sys.argv[2:]):
         if kind == "ref":
             refs.append((name, opts))
             continue

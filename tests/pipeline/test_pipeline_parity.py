@@ -20,14 +20,9 @@ import torch
 
 from tests.helpers.launch import ROOT, free_port
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens
+from tests.helpers.compare import max_rel as _rel
 
 TOL = 1e-4
-
-
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
-    return float(((ta - tb).abs() / tb.abs()).max())
 
 
 def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:

@@ -26,6 +26,7 @@ import torch
 
 from tests.zoo.launch import ZooRuns, run_zoo
 from tests.zoo.models import STEPS
+from tests.helpers.compare import max_rel as _rel, tensor_rel
 
 STAGES: dict[str, list[str]] = {
     "nanogpt": ["zero1", "zero2", "zero3"],
@@ -50,19 +51,12 @@ TOL = 1e-4
 
 
 # ------------------------------------------------------------------ helpers
-def _rel(a: list[float], b: list[float]) -> float:
-    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
-    assert ta.shape == tb.shape and len(ta) > 0, (len(a), len(b))
-    return float(((ta - tb).abs() / tb.abs().clamp_min(1e-12)).max())
-
-
 def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
     if not b.is_floating_point():
         return 0.0 if torch.equal(a, b) else float("inf")
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+    return tensor_rel(a, b)
 
 
 LOOSE_TOL = 1e-2
