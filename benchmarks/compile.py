@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
+    add_gpt_args, add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import (  # noqa: E402
     Row, Target, _fmt, render_gpt_section,
@@ -59,12 +59,7 @@ TARGETS: tuple[Target, ...] = (
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--configs", default=None, help=f"comma-separated subset of {ALL}")
-    p.add_argument("--model", default="gpt_1b")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=4, help="untimed steps before them (compilation happens here)")
+    add_gpt_args(p, ALL, steps=10, warmup=4, warmup_help="untimed steps before them (compilation happens here)")
     add_runner_args(p, config_timeout_s=240.0, min_config_s=45.0)
     args = p.parse_args(argv)
     if args.warmup < 3:

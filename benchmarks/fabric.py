@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
+    add_gpt_args, add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import (  # noqa: E402
     Row, Target, _fmt, render_gpt_section,
@@ -51,12 +51,7 @@ TARGETS: tuple[Target, ...] = tuple(
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=1)
-    p.add_argument("--configs", default=None, help=f"comma-separated subset of {ALL}")
-    p.add_argument("--model", default="gpt_1b")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=15, help="timed steps")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    add_gpt_args(p, ALL, steps=15, warmup=5)
     add_runner_args(p, config_timeout_s=240.0, min_config_s=45.0)
     args = p.parse_args(argv)
     select_configs(p, args, ALL, ALL)

@@ -67,6 +67,18 @@ ERROR_LINE = re.compile(r"\b([A-Za-z_.]*(Error|Exception|Interrupt)\b:?.*)")
 # ---------------------------------------------------------------------------------------------------- arguments
 
 
+def add_gpt_args(p: argparse.ArgumentParser, configs: list[str], gpus: int = 1, steps: int = 10, warmup: int = 4,
+                 warmup_help: str = "untimed steps before them") -> None:
+    """The options every GPT comparison's parent takes (compile.py, fabric.py, tp.py): machine size,
+    which configurations, the GPT preset, micro-batch and step counts."""
+    p.add_argument("--gpus", type=int, default=gpus)
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {configs}")
+    p.add_argument("--model", default="gpt_1b")
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps")
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+
+
 def add_runner_args(p: argparse.ArgumentParser, config_timeout_s: float, min_config_s: float) -> None:
     """The options every peer benchmark's run loop (:func:`run_benchmark`) reads."""
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke mode with gloo")

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from peers import (  # noqa: E402
-    add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
+    add_gpt_args, add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
 from peers_report import Row, Target, _fmt, render_gpt_section  # noqa: E402
 from presets import llama_preset  # noqa: E402
@@ -48,18 +48,13 @@ TARGETS: tuple[Target, ...] = tuple(
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, default=2)
+    add_gpt_args(p, ALL, gpus=2, steps=10, warmup=3)  # --model and --micro-batch: the gpt_* runs (per replica)
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: --gpus)")
     p.add_argument("--stage", type=int, default=1, help="ZeRO stage of the *_zero runs (over dp = gpus / tp)")
-    p.add_argument("--configs", default=None, help=f"comma-separated subset of {ALL}")
-    p.add_argument("--model", default="gpt_1b", help="GPT preset of the gpt_* runs")
-    p.add_argument("--micro-batch", type=int, default=8, help="gpt_* micro-batch per replica")
     p.add_argument("--llama", default="llama_8b", help="Llama preset of the llama_* runs (benchmarks/presets.py)")
     p.add_argument("--llama-micro-batch", type=int, default=1)
     p.add_argument("--llama-layers", type=int, default=None)
     p.add_argument("--llama-seq", type=int, default=None)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
     add_runner_args(p, config_timeout_s=300.0, min_config_s=60.0)
     args = p.parse_args(argv)
     args.tp = args.tp or args.gpus

@@ -54,3 +54,26 @@ def parse_specs(argv: list[str]) -> list[tuple[str, str, dict[str, str]]]:
         kind, _, rest = spec.partition(":")
         out.append((name, kind, dict(kv.split("=", 1) for kv in rest.split(",") if kv)))
     return out
+
+
+def run_against_oracle(run_zero: Callable[[int, dict[str, str]], dict[str, Any]],
+                       run_ref: Callable[[dict[str, str]], dict[str, Any]]) -> None:
+    """``worker.py OUT name=zeroS:opts ... name=ref:opts``: every ``zeroS`` spec runs on all ranks (seeded
+    alike), every ``ref`` spec once on rank 0 (the one-process oracle); rank 0 saves each result as
+    ``OUT/<name>.pt``."""
+    import lightning.pytorch as pl
+
+    out = sys.argv[1]
+    results: dict[str, Any] = {}
+    refs = []
+    for name, kind, opts in parse_specs(sys.argv[2:]):
+        if kind == "ref":
+            refs.append((name, opts))
+            continue
+        pl.seed_everything(0)
+        results[name] = run_zero(int(kind[-1]), opts)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for name, opts in refs:
+            results[name] = run_ref(opts)
+        for name, res in results.items():
+            save_atomic(res, os.path.join(out, f"{name}.pt"))

@@ -33,7 +33,7 @@ from examples.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import aux_loss  # noqa: E402
 from lightning_zero.moe.parallel import globalize_expert_state, localize_expert_state, moe_layers  # noqa: E402
-from tests.helpers.worker_io import parse_specs, save_atomic  # noqa: E402
+from tests.helpers.worker_io import run_against_oracle  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP, E = 4, 8, 16, 48, 1e-2, 0.5, 4
 
@@ -156,19 +156,7 @@ def run_ref(opts: dict[str, str], world: int) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    results, refs = {}, []
-    for name, kind, opts in parse_specs(sys.argv[2:]):
-        if kind == "ref":
-            refs.append((name, opts))
-            continue
-        pl.seed_everything(0)
-        results[name] = run_zero(int(kind[-1]), opts)
-    if int(os.environ.get("RANK", "0")) == 0:
-        for name, opts in refs:
-            results[name] = run_ref(opts, int(os.environ["WORLD_SIZE"]))
-        for name, res in results.items():
-            save_atomic(res, os.path.join(out, f"{name}.pt"))
+    run_against_oracle(run_zero, lambda opts: run_ref(opts, int(os.environ["WORLD_SIZE"])))
 
 
 if __name__ == "__main__":

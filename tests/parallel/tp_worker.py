@@ -34,7 +34,7 @@ from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
 from lightning_zero.parallel.dtensor import local_block, local_tensor  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
-from tests.helpers.worker_io import parse_specs, save_atomic  # noqa: E402
+from tests.helpers.worker_io import run_against_oracle  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
@@ -187,21 +187,7 @@ def run_ref(opts: dict[str, str]) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1]
-    results = {}
-    refs = []
-    for name, kind, opts in parse_specs(sys.argv[2:]):
-        if kind == "ref":
-            refs.append((name, opts))
-            continue
-        pl.seed_everything(0)
-        results[name] = run_zero(int(kind[-1]), opts)
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        for name, opts in refs:  # the oracle: one process, no strategy
-            results[name] = run_ref(opts)
-        for name, res in results.items():
-            save_atomic(res, os.path.join(out, f"{name}.pt"))
+    run_against_oracle(run_zero, run_ref)  # the oracle: one process, no strategy
 
 
 if __name__ == "__main__":
