@@ -136,6 +136,7 @@ class ZeroCore(CheckpointMixin):
         self.dims.build_groups(self.config.timeout_s, self.root_device.type)  # type: ignore[attr-defined]
         self._setup_checkpointer()
         self._failed = False
+        C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]; Fabric calls no teardown
         if watchdog and self._watchdog is None:  # failures.py [Note: failing once]
             self._watchdog = start_watchdog([self._remove_swap_dirs])
 
@@ -428,6 +429,7 @@ class ZeroCore(CheckpointMixin):
         says where and what to do."""
         self._end_watch()
         self._failed = True
+        C.destroy_groups_at_exit(False)  # a peer may be gone: no destroy at exit ([Note: destroy at exit])
         hold_sigterm()  # the cleanup below and in teardown runs to its end
         if self._watchdog is not None:
             self._watchdog.own_failure = True

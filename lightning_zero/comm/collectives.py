@@ -10,6 +10,7 @@ engine code runs in a single process without special cases.
 from __future__ import annotations
 
 import atexit
+import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -84,6 +85,11 @@ def init_process_group(backend: str, world: int, global_rank: int, timeout_s: fl
 # asks for every group to be destroyed at exit, while the interpreter is whole. Not after a
 # failure: a peer may be gone, and destroying a group with a collective in flight could wait for
 # its timeout instead of letting the process end.
+# The handler is registered when the strategy sets its groups up, not at teardown: Fabric calls no
+# teardown, and its workers aborted at exit the same way (seen once in CI, 2026-11-23). A failure the
+# strategy sees unregisters it; an uncaught exception that ends the interpreter (a Fabric loop that
+# raised: no hook tells the strategy) leaves ``sys.last_value`` set before atexit runs, and the
+# handler then does nothing.
 def destroy_groups_at_exit(enabled: bool) -> None:
     """Destroy every process group at interpreter exit (``enabled``), or no longer (see
     [Note: destroy at exit]). Idempotent: the handler is registered at most once."""
@@ -93,7 +99,7 @@ def destroy_groups_at_exit(enabled: bool) -> None:
 
 
 def _destroy_all_groups() -> None:
-    if is_initialized():
+    if is_initialized() and getattr(sys, "last_value", None) is None:  # not while an uncaught error ends the run
         dist.destroy_process_group()
 
 
