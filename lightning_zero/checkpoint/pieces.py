@@ -21,6 +21,19 @@ over tp keep the flat form, so checkpoints without tensor parallelism are unchan
 such a flat tensor asks for its block as runs of the global flattening (:meth:`FlatPiece.stored_as`).
 The stored form of a key is in DCP's ``.metadata`` (its size), so the reader always knows which.
 
+[Note: strided reads of flat tensors]
+A TP rank reading a flat-stored tensor (written without tensor parallelism) needs elements that are
+strided in the stored 1-D tensor: a ``Shard(1)`` block's range holds a run of each row. DCP's read
+requests are boxes of the stored tensor, so in 1-D exact requests are one run per row: thousands of
+requests per weight of an 8B model, each answered by reading (and checksumming) a whole stored item.
+So such a piece asks instead for the one 1-D span of the global flattening from its first element to
+its last (:attr:`FlatPiece.span`), other TP ranks' elements included: DCP cuts it into one read item
+per stored chunk it overlaps, each lands in a temporary as long as that item (no more than what the
+reader already holds for it) and is scattered into ``source`` as at most ``2 * ndim - 1`` strided
+copies (:meth:`FlatPiece.scatter`, run by the load planner's ``commit_tensor``). Items that fall
+wholly between the piece's elements are dropped from the plan (:meth:`FlatPiece.wants`). A piece
+whose elements are contiguous there (a ``Shard(0)`` block, a range inside one row) reads them exactly.
+
 ``FlatPiece`` speaks DCP's chunk protocol (``__create_write_items__``, ``__create_chunk_list__``,
 ``__get_tensor_shard__``, as DTensor does), but is not a tensor, so the two planners below resolve
 it to its local storage themselves (DCP's own lookup only handles tensor subclasses).
@@ -39,7 +52,7 @@ import torch
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
 
 Shape = tuple[int, ...]
 
@@ -100,6 +113,40 @@ def _ravel(index: Sequence[int], size: Sequence[int]) -> int:
     for i, n in zip(index, size):
         flat = flat * n + i
     return flat
+
+
+def _unravel(flat: int, size: Sequence[int]) -> Shape:
+    index = []
+    for n in reversed(size):
+        flat, i = divmod(flat, n)
+        index.append(i)
+    return tuple(reversed(index))
+
+
+def _global_flat(block: Block, local: int) -> int:
+    """Where element ``local`` of the block's flattening lies in the global tensor's flattening."""
+    index = _unravel(local, block.shape)
+    return _ravel([o + i for o, i in zip(block.offset, index)], block.size)
+
+
+def _count_before(block: Block, glob: int) -> int:
+    """How many of the block's elements lie before position ``glob`` of the global flattening (they
+    lie there in the block's own row-major order, so this is also the block index of the first one at
+    or after ``glob``)."""
+    count = 0
+    for d in range(len(block.size)):
+        u, glob = divmod(glob, math.prod(block.size[d + 1 :]))
+        inner = math.prod(block.shape[d + 1 :])
+        if u < block.offset[d]:
+            return count
+        if u >= block.offset[d] + block.shape[d]:
+            return count + block.shape[d] * inner
+        count += (u - block.offset[d]) * inner
+    return count
+
+
+def _contiguous_strides(size: Sequence[int]) -> Shape:
+    return tuple(math.prod(size[d + 1 :]) for d in range(len(size)))
 
 
 def _flat_runs(block: Block, offset: Shape, sizes: Shape) -> Iterator[tuple[int, int]]:
@@ -181,6 +228,51 @@ class FlatPiece:
         return out
 
     @cached_property
+    def span(self) -> Optional[tuple[int, int]]:
+        """Reading from a flat-stored tensor: ``[first, last + 1)`` of the global flattening, when this
+        piece's elements are not contiguous there ([Note: strided reads of flat tensors]); else None."""
+        n = self.source.numel()
+        if self.block is None or self.nd or self.block.is_whole or n == 0:
+            return None
+        first = _global_flat(self.block, self.start)
+        end = _global_flat(self.block, self.start + n - 1) + 1
+        return (first, end) if end - first > n else None
+
+    def _elements_in(self, lo: int, length: int) -> tuple[int, int]:
+        """The range of the block's flattening (within this piece) at ``[lo, lo + length)`` of the
+        span: the elements lie in the block's order there, so they are one range of ``source``."""
+        assert self.block is not None and self.span is not None
+        base = self.span[0] + lo
+        end = self.start + self.source.numel()
+        a = min(max(_count_before(self.block, base), self.start), end)
+        b = min(max(_count_before(self.block, base + length), self.start), end)
+        return a, b
+
+    def wants(self, lo: int, length: int) -> bool:
+        """Whether ``[lo, lo + length)`` of the span holds any of this piece's elements."""
+        a, b = self._elements_in(lo, length)
+        return b > a
+
+    def scatter(self, lo: int, data: Tensor) -> None:
+        """Copy this piece's elements out of ``data`` (1-D: the span's elements ``[lo, lo +
+        data.numel())``) into ``source``: at most ``2 * ndim - 1`` strided copies."""
+        assert self.block is not None and self.span is not None
+        a, b = self._elements_in(lo, data.numel())
+        import os
+        with open(f"/tmp/t17/scatter.{os.getpid()}", "a") as fh:
+            fh.write(f"{self.block} {lo} {data.numel()} {b - a}\n")
+        base = self.span[0] + lo
+        strides = _contiguous_strides(self.block.size)
+        pos = a - self.start
+        with torch.no_grad():
+            for offset, sizes in range_boxes(self.block.shape, a, b):
+                glob = _ravel([o + i for o, i in zip(self.block.offset, offset)], self.block.size)
+                src = data.as_strided(sizes, strides, data.storage_offset() + glob - base)
+                count = math.prod(sizes)
+                self.source[pos : pos + count].view(sizes).copy_(src)
+                pos += count
+
+    @cached_property
     def _by_offset(self) -> dict[tuple[int, ...], tuple[ChunkStorageMetadata, int, int]]:
         return {tuple(c.offsets): (c, lo, hi) for c, lo, hi in self.chunks}
 
@@ -199,6 +291,11 @@ class FlatPiece:
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """What a load asks DCP for: the exact chunks, or the one span ([Note: strided reads of flat
+        tensors])."""
+        if self.span is not None:
+            first, end = self.span
+            return [ChunkStorageMetadata(offsets=torch.Size([first]), sizes=torch.Size([end - first]))]
         return [chunk for chunk, _, _ in self.chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
@@ -246,6 +343,32 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
+    def _spanned(self, item: ReadItem) -> Optional[FlatPiece]:
+        piece = self.state_dict.get(item.dest_index.fqn)
+        return piece if isinstance(piece, FlatPiece) and piece.span is not None else None
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan, less the read items that fall wholly between a spanned piece's elements."""
+        plan = super().create_local_plan()
+        keep = []
+        for item in plan.items:
+            piece = self._spanned(item)
+            if piece is None or piece.wants(item.dest_offsets[0], item.lengths[0]):
+                keep.append(item)
+        return dataclasses.replace(plan, items=keep)
+
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         found = _resolve(self.state_dict, index)
         return found if found is not None else super().lookup_tensor(index)
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        """A spanned piece's item lands in a temporary, scattered by :meth:`commit_tensor`."""
+        piece = self._spanned(read_item)
+        if piece is None:
+            return super().resolve_tensor(read_item)
+        return torch.empty(read_item.lengths, dtype=piece.source.dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        piece = self._spanned(read_item)
+        if piece is not None:
+            piece.scatter(read_item.dest_offsets[0], tensor)

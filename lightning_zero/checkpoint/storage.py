@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import itertools
 import os
 import threading
 import zlib
@@ -192,29 +193,37 @@ class CheckedReader(FileSystemReader):
             raise CorruptCheckpointError(f"{path} is missing (the checkpoint's .metadata lists it)")
         reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
         with open(path, "rb") as f:
-            for req in reqs:
-                info = self.storage_data[req.storage_index]
-                where = f"entry '{req.storage_index.fqn}' (bytes {info.offset}-{info.offset + info.length})"
-                buf = torch.empty(info.length, dtype=torch.uint8)
-                f.seek(info.offset)
-                got = f.readinto(memoryview(buf.numpy())) if info.length else 0
-                if got != info.length:
-                    raise CorruptCheckpointError(f"{path} is truncated: {where} is past its end ({os.path.getsize(path)} bytes)")
-                crc = getattr(info, "crc32", None)
-                if crc is not None and zlib.crc32(memoryview(buf.numpy())) != crc:
-                    raise CorruptCheckpointError(f"{path} is corrupted: {where} does not match the checksum written with it")
-                if req.type == LoadItemType.BYTE_IO:
-                    with self._lock:
-                        planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
-                    continue
+            for _, same in itertools.groupby(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                self._read_item(path, f, list(same), planner)
+
+    def _read_item(self, path: str, f: Any, reqs: list[Any], planner: LoadPlanner) -> None:
+        """Read and check one stored item once, then answer every request on it (a load asking for
+        several boxes of one writer's chunk, pieces.py, does not read it once per box)."""
+        info = self.storage_data[reqs[0].storage_index]
+        where = f"entry '{reqs[0].storage_index.fqn}' (bytes {info.offset}-{info.offset + info.length})"
+        buf = torch.empty(info.length, dtype=torch.uint8)
+        f.seek(info.offset)
+        got = f.readinto(memoryview(buf.numpy())) if info.length else 0
+        if got != info.length:
+            raise CorruptCheckpointError(f"{path} is truncated: {where} is past its end ({os.path.getsize(path)} bytes)")
+        crc = getattr(info, "crc32", None)
+        if crc is not None and zlib.crc32(memoryview(buf.numpy())) != crc:
+            raise CorruptCheckpointError(f"{path} is corrupted: {where} does not match the checksum written with it")
+        stored: Optional[Tensor] = None
+        for req in reqs:
+            if req.type == LoadItemType.BYTE_IO:
+                with self._lock:
+                    planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
+                continue
+            if stored is None:
                 dtype = getattr(info, "dtype", None)
                 if dtype is not None:  # written raw by CheckedWriter
-                    tensor = buf.view(_dtype(dtype)).view(info.shape)
+                    stored = buf.view(_dtype(dtype)).view(info.shape)
                 else:  # DCP's own torch.save records
-                    tensor = torch.load(io.BytesIO(buf.numpy().tobytes()), map_location="cpu", weights_only=True)
-                tensor = _narrow(tensor, req.storage_offsets, req.lengths)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    raise CorruptCheckpointError(f"{path}: {where} has size {tuple(tensor.size())}, expected {tuple(target.size())}")
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
+                    stored = torch.load(io.BytesIO(buf.numpy().tobytes()), map_location="cpu", weights_only=True)
+            tensor = _narrow(stored, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CorruptCheckpointError(f"{path}: {where} has size {tuple(tensor.size())}, expected {tuple(target.size())}")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)

@@ -89,6 +89,9 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
     step during backward (eager.py), the delayed update (delayed.py), partial offload
     (device_share.py) and compact host states (compact_state.py) are its parts in files of their own."""
 
+    single_rank_shortcuts = False
+    """Shards live in host memory: no shortcut of stage2.py's [Note: one data-parallel rank]."""
+
     # attributes of ZeroEngine this mixin relies on (for readers and type checkers)
     groups: list
     optimizer: torch.optim.Optimizer

@@ -47,9 +47,12 @@ class ShardViews:
         b = self.layout.buckets[bucket_index]
         return self.master[b.shard_offset : b.shard_offset + b.chunk]
 
-    def ensure_grad_shard(self) -> Tensor:
+    def ensure_grad_shard(self, zeroed: bool = True) -> Tensor:
+        """The fp32 gradient shard, allocated on first use: zeroed, or (``zeroed=False``, for a caller that
+        writes every element before it is read: stage2.py's [Note: one data-parallel rank]) uninitialised."""
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
+            make = torch.zeros if zeroed else torch.empty
+            self.grad_shard = make(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
         return self.grad_shard
 
 

@@ -6,6 +6,16 @@ zero when released and back when gathered (FSDP2's trick). Parameters are views 
 created once and never re-pointed, so ``p.shape``/``p.numel()`` stay true (Lightning's ModelSummary
 counts correctly), autograd's saved views of a weight stay valid across release and re-gather, and
 touching a released parameter fails loudly instead of reading stale values.
+
+[Note: one rank aliases its partition]
+A group partitioned over one rank (one data-parallel rank, or an expert group of one) has nothing to
+gather: its partition is the whole of every bucket. Its full buffers are then views into the gather
+source itself (the 16-bit partition, or the master when it is in the compute dtype), allocated once;
+``allocate`` and ``free`` do nothing and the engine skips the all-gather, which on one GPU was a copy
+of every weight twice per step (stage2.py [Note: one data-parallel rank]). The engine's bookkeeping
+of what is gathered is unchanged, so reads outside a unit are found and refused as with many ranks
+(read_watch.py, ``guard_released_modules``); only the storage stays allocated. Not with offload,
+whose partitions live in host memory.
 """
 
 from __future__ import annotations
@@ -38,9 +48,12 @@ class ShardedParamGroup(ShardViews):
         master_dtype: torch.dtype = torch.float32,
         master_factory: Optional[BufferFactory] = None,
         shard16_factory: Optional[BufferFactory] = None,
+        alias: bool = False,
     ) -> None:
         """``shard16_factory`` (offload) always creates a separate gather source, even in fp32, where
-        it may live elsewhere than the master (device or pinned host memory)."""
+        it may live elsewhere than the master (device or pinned host memory). ``alias``: the engine
+        allows [Note: one rank aliases its partition], taken when the layout has one shard and the
+        gather source is in the compute dtype on the compute device."""
         self.params = params
         self.layout = layout
         self.shard = shard
@@ -55,8 +68,15 @@ class ShardedParamGroup(ShardViews):
             self.shard16 = shard16_factory(layout.shard_numel, compute_dtype)
         elif compute_dtype != master_dtype:
             self.shard16 = torch.zeros(layout.shard_numel, dtype=compute_dtype, device=device)
+        src = self.shard16 if self.shard16 is not None else self.master
+        self.aliased = (alias and layout.num_shards == 1 and src.dtype == compute_dtype
+                        and src.device.type == torch.device(device).type)
+        """Full buffers are views into the partition ([Note: one rank aliases its partition])."""
         self.full: list[Tensor] = []
         for b in layout.buckets:
+            if self.aliased:
+                self.full.append(src[b.shard_offset : b.shard_offset + b.chunk])
+                continue
             buf = torch.empty(b.numel, dtype=compute_dtype, device=device)
             buf.untyped_storage().resize_(0)
             self.full.append(buf)
@@ -94,11 +114,13 @@ class ShardedParamGroup(ShardViews):
 
     def allocate(self, bucket_index: int) -> Tensor:
         buf = self.full[bucket_index]
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        if not self.aliased:
+            buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         return buf
 
     def free(self, bucket_index: int) -> None:
-        self.full[bucket_index].untyped_storage().resize_(0)
+        if not self.aliased:
+            self.full[bucket_index].untyped_storage().resize_(0)
 
     def refresh_shard16(self) -> None:
         if self.shard16 is not None:

@@ -25,9 +25,13 @@ class Stage1Engine(ZeroEngine):
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: "callable | None" = None) -> _Pending:
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
-        bucket.div_(self.dp_size)  # also for experts: shard_comm.py [Note: expert gradient scale]
-        out = bucket.new_empty(b.chunk)
-        work = C.reduce_scatter(out, bucket, self.comms[gi].group, async_op=True)
+        if self.dp_size > 1:
+            bucket.div_(self.dp_size)  # also for experts: shard_comm.py [Note: expert gradient scale]
+        if self.comms[gi].size == 1:  # the bucket is its own (only) chunk: nothing to scatter or copy
+            out, work = bucket, C.done()
+        else:
+            out = bucket.new_empty(b.chunk)
+            work = C.reduce_scatter(out, bucket, self.comms[gi].group, async_op=True)
 
         def finalize() -> None:
             shard = fg.ensure_grad_shard()

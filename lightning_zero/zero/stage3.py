@@ -143,7 +143,8 @@ class Stage3Engine(Stage2Engine):
             keys = [owner[id(p)] for p in params]
             sizes = [local_tensor(p).numel() for p in params]  # a DTensor's TP shard (parallel/dtensor.py)
             layout, bucket_of = build_grouped_layout(sizes, keys, order, comm.size, align=8)
-            fg = ShardedParamGroup(params, layout, comm.rank, self.compute_dtype, self.device, **kwargs)
+            fg = ShardedParamGroup(params, layout, comm.rank, self.compute_dtype, self.device,
+                                   alias=self.single_rank_shortcuts, **kwargs)
             if not is_frozen:
                 self.comms.append(comm)
                 self.pg_of.append(pi)
@@ -199,6 +200,8 @@ class Stage3Engine(Stage2Engine):
             works = []
             for gi, bi in unit.buckets:
                 fg = self.all_groups[gi]
+                if fg.aliased:  # sharded_group.py [Note: one rank aliases its partition]
+                    continue
                 buf = fg.allocate(bi)
                 works.append(C.all_gather(buf, self._gather_source(gi, bi), self._gather_groups[gi], async_op=True))
             self._pending[unit.index] = works
@@ -498,10 +501,11 @@ class Stage3Engine(Stage2Engine):
 def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
     """After training, calling a module whose parameters are released raises a clear error
     (instead of a cryptic storage-size error deep inside a matmul)."""
-    sharded = {id(p) for p in engine.sharded_params()}
+    unit_of = {id(p): u for u in engine.units for p in u.params}  # by the bookkeeping, not the storage:
+    # a one-rank group's parameters keep theirs (sharded_group.py [Note: one rank aliases its partition])
 
     def guard(module: nn.Module, args: Any) -> None:
-        if any(id(p) in sharded and local_tensor(p).untyped_storage().nbytes() == 0 for p in module.parameters(recurse=False)):
+        if any(id(p) in unit_of and not engine.is_gathered(unit_of[id(p)]) for p in module.parameters(recurse=False)):
             raise RuntimeError(
                 f"{type(module).__name__}'s parameters are partitioned by ZeRO stage 3 and not gathered here. "
                 "Call the model inside the Trainer, or wrap the call in "
@@ -512,5 +516,5 @@ def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
     return [
         m.register_forward_pre_hook(guard)
         for m in model.modules()
-        if any(id(p) in sharded for p in m.parameters(recurse=False))
+        if any(id(p) in unit_of for p in m.parameters(recurse=False))
     ]

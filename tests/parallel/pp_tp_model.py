@@ -10,7 +10,7 @@ where configure_model applies :data:`LAYER_PLAN` to the layers this stage holds
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,11 @@ LAYER_PLAN = {
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
 """Megatron's pairing inside one block (as lightning_zero.parallel.tp_plan_llama)."""
+
+INTERLEAVED_PARTITION = (0, 1, 2, 3, 5)
+"""Four parts of the 2-block model for 2 stages x 2 virtual stages: rank 0 holds the embedding (chunk 0)
+and block 1 (chunk 1), rank 1 block 0 (chunk 0) and the norm and tied head (chunk 1), so each rank has
+a TP block and the tied embedding lives in a different chunk on each."""
 
 
 class Attention(nn.Module):
@@ -90,11 +95,14 @@ class PPTPNet(LightningModule):
     """The PipelineModule is built in ``__init__`` (the strategy keeps this stage's layers before
     ``configure_model``), parallelized in ``configure_model`` when the mesh has a tp dim > 1."""
 
-    def __init__(self, blocks: int = 2, global_batch: int = 8, n_train: int = 48, lr: float = 1e-2) -> None:
+    def __init__(self, blocks: int = 2, global_batch: int = 8, n_train: int = 48, lr: float = 1e-2,
+                 partition: Optional[Sequence[int]] = None) -> None:
         super().__init__()
         specs = [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), *[LayerSpec(Block) for _ in range(blocks)],
                  LayerSpec(nn.RMSNorm, DIM), TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head)]
-        self.pipe = PipelineModule(specs, token_loss, partition=[0, 1 + blocks // 2, len(specs)])  # a block per stage
+        if partition is None:  # a block per stage; the one-process oracle ignores it (layers seeded by index)
+            partition = [0, 1 + blocks // 2, len(specs)]
+        self.pipe = PipelineModule(specs, token_loss, partition=partition)
         self.global_batch, self.n_train, self.lr = global_batch, n_train, lr
         self.losses: list[float] = []
         self.tp_params = 0

@@ -1,7 +1,8 @@
 """Worker run under ``torchrun``: pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
 
 Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, precision, steps, clip, fmt
+``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, virtual (virtual_stages of
+schedule=interleaved; the model is then cut in pp_tp_model.INTERLEAVED_PARTITION), precision, steps, clip, fmt
 (checkpoint_format), save=ID (train save_at=3 steps, save ``OUT/ID.ckpt``; rank 0 consolidates a sharded
 one), resume=ID (train to ``steps`` from ``OUT/ID.ckpt``, in this run's layout). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
@@ -26,14 +27,15 @@ import lightning_zero  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.checkpoint import load_consolidated  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
-from tests.parallel.pp_tp_model import PPTPNet  # noqa: E402
+from tests.parallel.pp_tp_model import INTERLEAVED_PARTITION, PPTPNet  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
 
 
 def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
     strategy = lightning_zero.ZeroStrategy(checkpoint_format=opts.get("fmt", "sharded"),
         stage=int(opts.get("stage", 1)), pipeline_stages=int(opts.get("pp", 2)), tensor_parallel=int(opts.get("tp", 2)),
-        microbatches=int(opts.get("micro", 4)), schedule=opts.get("schedule", "1f1b"), bucket_size_mb=0.002,
+        microbatches=int(opts.get("micro", 4)), schedule=opts.get("schedule", "1f1b"),
+        virtual_stages=int(opts.get("virtual", 2)), bucket_size_mb=0.002,
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
@@ -56,7 +58,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run(name: str, spec: str, out: str) -> None:
     opts = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
     pl.seed_everything(0, workers=True)
-    model = PPTPNet()
+    model = PPTPNet(partition=INTERLEAVED_PARTITION if opts.get("schedule") == "interleaved" else None)
     probe = GradNormProbe()
     result: dict = {}
     ckpt = opts.get("save") or opts.get("resume")
