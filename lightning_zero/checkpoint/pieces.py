@@ -258,9 +258,6 @@ class FlatPiece:
         data.numel())``) into ``source``: at most ``2 * ndim - 1`` strided copies."""
         assert self.block is not None and self.span is not None
         a, b = self._elements_in(lo, data.numel())
-        import os
-        with open(f"/tmp/t17/scatter.{os.getpid()}", "a") as fh:
-            fh.write(f"{self.block} {lo} {data.numel()} {b - a}\n")
         base = self.span[0] + lo
         strides = _contiguous_strides(self.block.size)
         pos = a - self.start
