@@ -6,7 +6,7 @@ schedule=interleaved; the model is then cut in pp_tp_model.INTERLEAVED_PARTITION
 (checkpoint_format), save=ID (train save_at=3 steps, save ``OUT/ID.ckpt``; rank 0 consolidates a sharded
 one), resume=ID (train to ``steps`` from ``OUT/ID.ckpt``, in this run's layout). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses, gradient norms, full weights (each rank's TP blocks gathered over tp, the stages'
-names merged) and every rank's coordinates.
+names merged) and every rank's coordinates and model chunk count.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def run(name: str, spec: str, out: str) -> None:
     dims = trainer.strategy.dims
     result.update(losses=list(model.losses), grad_norms=list(probe.norms), weights=full_weights(model))
     mine = {"coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank), "tp_params": model.tp_params,
+            "chunks": getattr(model.pipe.placement, "chunks", 1),
             "local_numel": sum(p._local_tensor.numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()),
             "losses": list(model.losses)}
     save_result(result, mine, out, name)

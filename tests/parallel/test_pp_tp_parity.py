@@ -5,8 +5,10 @@ grouped-query attention and SwiGLU, one block per stage), parallelized per stage
 with ``stage_plan``; ``ZeroStrategy(stage=1, pipeline_stages=2, tensor_parallel=2)`` on 4 processes
 (pp 2 x tp 2 x dp 1) through the Trainer, fixed global batch 8 in 4 micro-batches, AdamW, clipping at a
 norm that binds (so the norm must sum TP-sharded pieces over tp, count replicated and tied weights
-once and sum the stages), 6 steps. The oracle is the same LightningModule on Lightning's single-device
-strategy (layers in sequence, no mesh); a bf16-mixed run is held to it within bf16's precision.
+once and sum the stages), 6 steps; under 1F1B, GPipe (ZeRO-0) and the interleaved schedule (2 virtual
+stages per rank, the model cut in four: pp_tp_model.INTERLEAVED_PARTITION). The oracle is the same
+LightningModule on Lightning's single-device strategy (layers in sequence, no mesh); a bf16-mixed run
+is held to it within bf16's precision.
 Checkpoints: a pp 2 x tp 2 run saved after 3 steps (sharded directory; full file) holds the one-process
 weights (full_state_dict, offline consolidation) and resumes on pp 2 x tp 2, pp 1 x tp 2 x dp 2 and
 pp 2 x tp 1 x dp 2 as the one-process run resumes. pp 2 x tp 2 x dp 2 needs 8 processes: not run on
@@ -66,6 +68,7 @@ def reference_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {"pp2_tp2": "pp=2,tp=2,stage=1", "pp2_tp2_gpipe_zero0": "pp=2,tp=2,stage=0,schedule=gpipe",
+            "pp2_tp2_interleaved": "pp=2,tp=2,stage=1,schedule=interleaved,virtual=2",
             "pp2_tp2_bf16": "pp=2,tp=2,stage=1,precision=bf16-mixed",
             "save_sharded": "pp=2,tp=2,save=sharded", "save_full": "pp=2,tp=2,save=full,fmt=full",
             "resume_same": "pp=2,tp=2,resume=sharded", "resume_pp1_tp2_dp2": "pp=1,tp=2,resume=sharded",
@@ -73,7 +76,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return run_worker(tmp_path_factory.mktemp("pptp"), 4, runs, timeout=900, script=WORKER)
 
 
-@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_gpipe_zero0"])
+@pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_gpipe_zero0", "pp2_tp2_interleaved"])
 def test_pp2_x_tp2_matches_one_process(four_ranks: dict[str, dict], reference: dict, name: str) -> None:
     """Per step: losses, clipped global norms; final weights; every rank returns the global loss."""
     got = four_ranks[name]
@@ -104,6 +107,15 @@ def test_layout_and_stage_shards(four_ranks: dict[str, dict]) -> None:
     assert [r["coords"] for r in per_rank] == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
     assert all(r["tp_params"] == 7 for r in per_rank)  # q, k, v, o, gate, up, down of the stage's block
     assert per_rank[0]["local_numel"] == per_rank[1]["local_numel"]
+
+
+def test_interleaved_holds_two_chunks_per_rank(four_ranks: dict[str, dict]) -> None:
+    """The interleaved run really ran 2 virtual stages per rank (pp_tp_model.INTERLEAVED_PARTITION): a
+    TP block on every rank, each in its second chunk on rank 0 and its first on rank 1."""
+    per_rank = four_ranks["pp2_tp2_interleaved"]["per_rank"]
+    assert [r["chunks"] for r in per_rank] == [2, 2, 2, 2]
+    assert all(r["tp_params"] == 7 for r in per_rank)
+    assert [r["chunks"] for r in four_ranks["pp2_tp2"]["per_rank"]] == [1, 1, 1, 1]
 
 
 def _close(got: dict, want: dict, tol: float = TOL) -> None:
