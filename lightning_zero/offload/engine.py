@@ -57,7 +57,7 @@ from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pi
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.optim import host_states
 from lightning_zero.parallel.dtensor import local_tensor
-from lightning_zero.zero.engine import _Pending
+from lightning_zero.zero.engine import _Pending, squared_norm
 
 log = logging.getLogger(__name__)
 
@@ -319,14 +319,14 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
     def _chunk_sq(self, gi: int, lo: int, chunk: Tensor) -> Tensor:
         """Squared norm of a gradient chunk starting at shard offset ``lo`` of group ``gi``, its replicated
         TP elements weighted by 1/tp (zero/engine.py [Note: gradient norm under tensor parallelism])."""
-        sq = chunk.float().pow(2).sum()
+        sq = squared_norm(chunk)
         tp = self.tp_size  # type: ignore[attr-defined]
         if tp > 1:
             hi = lo + chunk.numel()
             for a, b in self._replicated[gi]:  # type: ignore[attr-defined]
                 a, b = max(a, lo), min(b, hi)
                 if a < b:
-                    sq = sq - (1.0 - 1.0 / tp) * chunk[a - lo : b - lo].float().pow(2).sum()
+                    sq = sq - (1.0 - 1.0 / tp) * squared_norm(chunk[a - lo : b - lo])
         return sq
 
     def global_grad_norm_sq(self, grads: Any) -> Tensor:

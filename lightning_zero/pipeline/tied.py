@@ -28,7 +28,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.parallel.dtensor import is_tp_sharded, local_tensor
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.module import PipelineModule
-from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.engine import ZeroEngine, squared_norm
 
 
 @dataclass
@@ -132,7 +132,7 @@ def count_tied_once(engine: ZeroEngine, copies: Sequence[TiedCopy]) -> None:
         total = original(grads)
         dup = torch.zeros((), dtype=torch.float32, device=engine.device)
         for gi, start, length, weight in pieces:
-            dup += weight * grads[gi][start : start + length].float().pow(2).sum()
+            dup += weight * squared_norm(grads[gi][start : start + length])
         for group in groups:
             C.all_reduce(dup, group, "sum")
         return (total - dup).clamp_min(0.0) if bool(torch.isfinite(total)) else total

@@ -53,6 +53,12 @@ from lightning_zero.zero.shard_comm import ShardComm, place_param_groups
 from lightning_zero.zero.wrappable import check_wrappable
 
 
+def squared_norm(t: Tensor) -> Tensor:
+    """``sum(t**2)`` in fp32 as a device scalar, in one reading pass: ``t.float().pow(2).sum()`` wrote
+    a full-size temporary first (5.2 GB and ~4 ms per step for GPT-1.3B's fp32 gradients on one H100)."""
+    return torch.linalg.vector_norm(t, dtype=torch.float32).square()
+
+
 @dataclass
 class _Pending:
     """A launched bucket: its collective and what to do once it is done."""
@@ -104,7 +110,7 @@ class ZeroEngine:
         self.device = device
         self.norm_groups = list(norm_groups)
         self.param_names = param_names or {}
-        self.grad_norm: Optional[float] = None
+        self._grad_norm: Optional[Tensor | float] = None
         self.require_sync = True
         self.reduce_gradients = True
         """False while a compressed optimizer averages momentum itself: gradients stay local (stage 0
@@ -348,10 +354,10 @@ class ZeroEngine:
         replicated_experts = self.expert_comm is not None and not self._grads_are_sharded
         for gi, g in enumerate(grads):
             if g.numel():  # stage 0 with experts: each group's squares over its replicas ([Note: gradient norm with experts])
-                sq += g.float().pow(2).sum() / (self.comms[gi].size if replicated_experts else 1)
+                sq += squared_norm(g) / (self.comms[gi].size if replicated_experts else 1)
             if self.tp_size > 1:  # [Note: gradient norm under tensor parallelism]
                 for a, b in self._replicated[gi]:
-                    sq -= (1.0 - 1.0 / self.tp_size) * g[a:b].float().pow(2).sum()
+                    sq -= (1.0 - 1.0 / self.tp_size) * squared_norm(g[a:b])
         return self._reduce_grad_sq(sq)
 
     def _reduce_grad_sq(self, sq: Tensor) -> Tensor:
@@ -365,22 +371,39 @@ class ZeroEngine:
             C.all_reduce(sq, grp, "sum")
         return sq / self.dp_size if local else sq
 
+    # [Note: the norm is read lazily]
+    # The global gradient norm is computed every step (a device scalar: one reading pass and one scalar
+    # all-reduce), but turned into a Python float only when something needs its value: clipping and
+    # the fp16 overflow check at once, logging when it reads ``grad_norm``. A float at every step
+    # would make the CPU wait for the end of backward before it could queue the step, leaving the
+    # GPU idle while the step and the next forward are launched.
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm (unscaled, before clipping) of the last step."""
+        if isinstance(self._grad_norm, Tensor):
+            self._grad_norm = float(self._grad_norm)
+        return self._grad_norm
+
+    @grad_norm.setter
+    def grad_norm(self, value: Optional[float]) -> None:
+        self._grad_norm = value
+
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None) -> bool:
         """Unscale, clip by the global norm, step the master shard, write back. False when skipped."""
         self.check_param_groups()
         grads = self._master_grads()
         scale = scaler.scale if scaler is not None else 1.0
-        norm = float(self.global_grad_norm_sq(grads).sqrt()) / scale
-        self.grad_norm = norm
-        overflow = not math.isfinite(norm)
+        clipping = clip_val is not None and clip_val > 0
+        self._grad_norm = self.global_grad_norm_sq(grads).sqrt() / scale  # [Note: the norm is read lazily]
         if scaler is not None:
+            overflow = not math.isfinite(self.grad_norm)  # type: ignore[arg-type]
             scaler.update(overflow)
             if overflow:
                 self._zero_grads()
                 return False
         coef = 1.0 / scale
-        if clip_val is not None and clip_val > 0:
-            coef *= min(1.0, clip_val / (norm + 1e-6))
+        if clipping:
+            coef *= min(1.0, clip_val / (self.grad_norm + 1e-6))  # type: ignore[operator]
         self._step_masters(grads, coef)
         self._write_back()
         self._zero_grads()
