@@ -34,6 +34,8 @@ class ShardViews:
     master: Tensor
     device: torch.device
     grad_shard: Optional[Tensor]
+    _grad_written: set[int]
+    """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
 
     def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
         """Parameter ``slot_index``'s piece of a flat buffer that starts at flat offset ``base``."""
@@ -46,6 +48,25 @@ class ShardViews:
         chunk is the whole bucket and ``shard_offset`` its start)."""
         b = self.layout.buckets[bucket_index]
         return self.master[b.shard_offset : b.shard_offset + b.chunk]
+
+    def add_to_grad_shard(self, bucket_index: int, values: Tensor) -> None:
+        """Accumulate a reduced bucket chunk into the fp32 gradient shard. The shard is allocated
+        uninitialised and a chunk's first reduction since :meth:`drop_grad_shard` is copied, not added
+        to zeros: zeroing the shard and adding into it read and wrote it twice more. Every bucket is
+        reduced in every backward (engine.py [Note: launch in bucket order]), so the whole shard is
+        written before anything reads it."""
+        b = self.layout.buckets[bucket_index]
+        chunk = self.ensure_grad_shard(zeroed=False)[b.shard_offset : b.shard_offset + b.chunk]
+        if bucket_index in self._grad_written:
+            chunk.add_(values)
+        else:
+            chunk.copy_(values)
+            self._grad_written.add(bucket_index)
+
+    def drop_grad_shard(self) -> None:
+        """Discard the accumulated gradients (after a step, or a skipped one)."""
+        self.grad_shard = None
+        self._grad_written.clear()
 
     def ensure_grad_shard(self, zeroed: bool = True) -> Tensor:
         """The fp32 gradient shard, allocated on first use: zeroed, or (``zeroed=False``, for a caller that
@@ -96,6 +117,7 @@ class FlatParamGroup(ShardViews):
         """Full gradient buffer (stages 0 and 1); parameters' ``.grad`` are views into it."""
         self.grad_shard: Optional[Tensor] = None
         """fp32 reduced gradients of this rank's shard (stages 1 and 2), accumulated over micro-batches."""
+        self._grad_written = set()
 
     # --- views --------------------------------------------------------------------------------
     def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:

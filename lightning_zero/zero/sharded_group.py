@@ -81,6 +81,7 @@ class ShardedParamGroup(ShardViews):
             buf.untyped_storage().resize_(0)
             self.full.append(buf)
         self.grad_shard: Optional[Tensor] = None
+        self._grad_written: set[int] = set()
 
     def adopt(self, bucket_index: int) -> None:
         """Take the current (full) values of the bucket's parameters into the shards, then make every

@@ -2,7 +2,7 @@
 
 What is new over stage 0 (engine.py): the layout is sharded over the data-parallel ranks, each
 bucket is reduce-scattered (not all-reduced) so a rank receives only its chunk, which is added in
-fp32 into ``grad_shard``; the full 16-bit gradient buffer is zeroed after each reduction (so
+fp32 into ``grad_shard`` (copied, the first time after a step: flat_group.py ``add_to_grad_shard``); the full 16-bit gradient buffer is zeroed after each reduction (so
 several backward passes between steps accumulate correctly); after the step the updated chunks
 are all-gathered back into every rank's 16-bit parameters.
 """
@@ -34,8 +34,7 @@ class Stage1Engine(ZeroEngine):
             work = C.reduce_scatter(out, bucket, self.comms[gi].group, async_op=True)
 
         def finalize() -> None:
-            shard = fg.ensure_grad_shard()
-            shard[b.shard_offset : b.shard_offset + b.chunk].add_(out)
+            fg.add_to_grad_shard(bi, out)
             if after is not None:
                 after()
 
@@ -62,4 +61,4 @@ class Stage1Engine(ZeroEngine):
         for fg in self.groups:
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()
-            fg.grad_shard = None
+            fg.drop_grad_shard()

@@ -104,6 +104,6 @@ class Stage2Engine(Stage1Engine):
 
     def _zero_grads(self) -> None:
         for fg in self.groups:
-            fg.grad_shard = None
+            fg.drop_grad_shard()
         self._staging.clear()
         self._unwritten.clear()
