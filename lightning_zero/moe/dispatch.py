@@ -107,7 +107,8 @@ def dispatch_combine(
     num_experts = routing.num_experts
     key = torch.where(routing.kept.t().reshape(-1), routing.experts.t().reshape(-1), num_experts)
     order = torch.sort(key, stable=True).indices
-    counts_all = torch.bincount(key, minlength=num_experts + 1)
+    # counted by index_add, not bincount: bincount reads the largest key on the host to size its output
+    counts_all = torch.zeros(num_experts + 1, dtype=key.dtype, device=key.device).index_add_(0, key, torch.ones_like(key))
     counts = counts_all.tolist()[:num_experts]  # the host read: split sizes are Python ints
     order = order[: sum(counts)]
     token_of = order % max(num_tokens, 1)  # choice-major: assignment i is token i mod tokens
