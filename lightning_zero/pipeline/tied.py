@@ -135,7 +135,8 @@ def count_tied_once(engine: ZeroEngine, copies: Sequence[TiedCopy]) -> None:
             dup += weight * squared_norm(grads[gi][start : start + length])
         for group in groups:
             C.all_reduce(dup, group, "sum")
-        return (total - dup).clamp_min(0.0) if bool(torch.isfinite(total)) else total
+        # on the device: a bool() here would read the norm on the host every step (engine.py [Note: the norm is read lazily])
+        return torch.where(torch.isfinite(total), (total - dup).clamp_min(0.0), total)
 
     engine.global_grad_norm_sq = global_grad_norm_sq  # type: ignore[method-assign]
 

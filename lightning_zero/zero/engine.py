@@ -393,7 +393,6 @@ class ZeroEngine:
         self.check_param_groups()
         grads = self._master_grads()
         scale = scaler.scale if scaler is not None else 1.0
-        clipping = clip_val is not None and clip_val > 0
         self._grad_norm = self.global_grad_norm_sq(grads).sqrt() / scale  # [Note: the norm is read lazily]
         if scaler is not None:
             overflow = not math.isfinite(self.grad_norm)  # type: ignore[arg-type]
@@ -402,7 +401,7 @@ class ZeroEngine:
                 self._zero_grads()
                 return False
         coef = 1.0 / scale
-        if clipping:
+        if clip_val is not None and clip_val > 0:
             coef *= min(1.0, clip_val / (self.grad_norm + 1e-6))  # type: ignore[operator]
         self._step_masters(grads, coef)
         self._write_back()

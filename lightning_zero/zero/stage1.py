@@ -2,9 +2,10 @@
 
 What is new over stage 0 (engine.py): the layout is sharded over the data-parallel ranks, each
 bucket is reduce-scattered (not all-reduced) so a rank receives only its chunk, which is added in
-fp32 into ``grad_shard`` (copied, the first time after a step: flat_group.py ``add_to_grad_shard``); the full 16-bit gradient buffer is zeroed after each reduction (so
-several backward passes between steps accumulate correctly); after the step the updated chunks
-are all-gathered back into every rank's 16-bit parameters.
+fp32 into ``grad_shard`` (copied, the first time after a step: flat_group.py ``add_to_grad_shard``);
+the full 16-bit gradient buffer is zeroed after each reduction (so several backward passes between
+steps accumulate correctly); after the step the updated chunks are all-gathered back into every
+rank's 16-bit parameters.
 """
 
 from __future__ import annotations
