@@ -287,8 +287,11 @@ def live_threads() -> tuple[list[str], list[str]]:
 
 
 def swap_files(out: str) -> list[str]:
+    """Swap files under the run's NVMe root now. Another rank may be removing its own swap directory
+    while this one looks (CI, 2026-11-23: ``rglob`` raised on a directory that vanished mid-walk);
+    ``os.walk`` skips what is gone."""
     root = Path(out, "nvme")
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*.swap")) if root.is_dir() else []
+    return sorted(str(Path(d, f).relative_to(root)) for d, _, files in os.walk(root) for f in files if f.endswith(".swap"))
 
 
 def run_fit(spec: dict, out: str) -> None:
