@@ -267,11 +267,13 @@ def render_table(rows: list[Row], meta: dict[str, Any]) -> str:
 def check_targets(
     rows: list[Row], gpus: int, targets: Sequence[Target] = TARGETS
 ) -> list[tuple[Target, str, str]]:
-    """(target, measured, verdict) for the issues' targets at this GPU count (N > 2 uses the 2-GPU ones)."""
+    """(target, measured, verdict) for the issues' targets at this GPU count (N > 2 without targets of its
+    own uses the 2-GPU ones)."""
     by_name = {r.config: r for r in rows}
     out: list[tuple[Target, str, str]] = []
+    count = gpus if any(t.gpus == gpus for t in targets) else min(gpus, 2)
     for t in targets:
-        if t.gpus != min(gpus, 2) or t.config not in by_name or t.reference not in by_name:
+        if t.gpus != count or t.config not in by_name or t.reference not in by_name:
             continue
         a, b = by_name[t.config], by_name[t.reference]
         if a.status != "ok" or b.status != "ok":

@@ -8,8 +8,8 @@ Workload: the GPT of ``examples/gpt.py`` (``conf/model/gpt_1b.yaml``: 24 x 2048,
 vocab 50304, tied embedding/head) written as a :class:`PipelineModule`, ``bf16-mixed``, AdamW, global
 batch ``--global-batch`` sequences (default 16: 8 per GPU under zero1, as in DESIGN.md section 7).
 
-Configurations: ``zero1`` (2 data-parallel ranks, the module runs in sequence) and ``pipe-M{4,8,16}``
-(2 stages x 1 data-parallel rank, ZeRO-1 inside each stage, 1F1B over M micro-batches of
+Configurations: ``zero1`` and ``zero3`` (every GPU data parallel, the module runs in sequence) and ``pipe-M{4,8,16}``
+(``--stages`` stages, default 2, x the remaining GPUs data parallel, ZeRO-1 inside each stage, 1F1B over M micro-batches of
 global_batch / M sequences; ``--schedule`` picks another). Stages are balanced by forward FLOPs
 (embedding ~0, each block 1, the tied head ~ 2 V / (24 d + 4 seq) blocks), not by parameter count,
 because a stage's time, not its size, sets the bubble.
@@ -163,8 +163,9 @@ class StepTimer(pl.Callback):
 
 
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
-    stages = 1 if name == "zero1" else 2
-    micro = 1 if name == "zero1" else int(name.split("M")[-1])
+    flat = name in ("zero1", "zero3")  # data parallel over every GPU, the module run in sequence
+    stages = 1 if flat else args.stages
+    micro = 1 if flat else int(name.split("M")[-1])
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -174,7 +175,7 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
     partition = flop_bounds(cfg, stages * chunks) if stages > 1 else "uniform"
     model = PipeGPT(cfg, args.global_batch, args.global_batch * steps, partition)
     strategy = lightning_zero.ZeroStrategy(
-        stage=1, pipeline_stages=stages, microbatches=micro, schedule=args.schedule, virtual_stages=args.virtual_stages,
+        stage=3 if name == "zero3" else 1, pipeline_stages=stages, microbatches=micro, schedule=args.schedule, virtual_stages=args.virtual_stages,
         process_group_backend="nccl" if args.device == "cuda" else "gloo",
     )
     timer = StepTimer(args.warmup)
@@ -246,6 +247,7 @@ def main() -> None:
     parser.add_argument("--configs", default="zero1,pipe-M4,pipe-M8,pipe-M16")
     parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved"])
     parser.add_argument("--virtual-stages", type=int, default=2, help="model chunks per GPU for --schedule interleaved")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (the rest of the GPUs is data parallel)")
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -254,13 +256,13 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 2:
-        raise SystemExit("run with: torchrun --nproc-per-node 2 benchmarks/pipeline.py")
+    if world < args.stages or world % args.stages:
+        raise SystemExit(f"run with: torchrun --nproc-per-node N benchmarks/pipeline.py, N a multiple of --stages ({args.stages})")
     cfg = GPTConfig(**{k: v for k, v in model_preset(args.model).items() if k in GPTConfig.__dataclass_fields__})
     rows = [run_config(name.strip(), args, cfg, world) for name in args.configs.split(",") if name.strip()]
     if int(os.environ.get("RANK", "0")) == 0:
         device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"
-        table = render(rows, args, f"2 x {device}")
+        table = render(rows, args, f"{world} x {device}")
         print(table)
         if args.results:
             with open(args.results, "a") as f:

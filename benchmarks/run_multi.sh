@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue #32's multi-GPU runs on one 4-GPU machine (nvidia-h200-x4 / nvidia-h100-x4), one device call each:
+#
+#   bash benchmarks/run_multi.sh CALL        # CALL = 1, 2 or 3
+#
+#   1  two lanes of two GPUs at once: lane A (GPUs 0,1) compile.py --gpus 2 (ddp, zero3, fsdp; eager and
+#      compiled); lane B (GPUs 2,3) tp.py --gpus 2 (GPT-1.3B and the Llama-3-8B shape at tp 2), moe.py at EP 2
+#      (8 experts) against dense, pipeline.py at pp 2 (1F1B, M = 4, 8, 16) against zero1 and zero3.
+#   2  compile.py --gpus 4 (the same six configurations on all four GPUs).
+#   3  tp.py --gpus 4 at tp 4 and at dp 2 x tp 2, moe.py at EP 4, pipeline.py at pp 4 and pp 2 x dp 2.
+#
+# Lanes share the host (64 cores) and nothing else: every ratio is taken between configurations of the
+# same lane, run one after another, so both sides of a ratio see the same neighbour. What comes back in
+# $OUT: setup.log, one log per lane, summary.md (every table) and details.tgz (per-configuration logs).
+# Carry .whl/ (../shared/tools/device_wheels.sh) for hydra-core and omegaconf.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/lz_out}
+CALL=${1:?usage: run_multi.sh 1|2|3}
+BUDGET=${LZ_BUDGET_S:-550}
+START=$SECONDS
+mkdir -p "$OUT" runs
+left() { echo $(( BUDGET - (SECONDS - START) )); }
+
+{
+  echo "=== call $CALL, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), tree $(git rev-parse --short HEAD 2>/dev/null) $(git status --porcelain 2>/dev/null | wc -l) changed files"
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && echo "installed $(ls .whl | wc -l) wheels"
+  fi
+  nvidia-smi --query-gpu=name,memory.total --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -8
+  nproc; free -g | head -2
+  python3 -c "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"
+} > "$OUT/setup.log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+
+torchrun_n() { local n=$1; shift; python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$@"; }
+
+lane_compile() {  # $1 = GPU count
+  python3 benchmarks/compile.py --gpus "$1" --budget-s $(( $(left) - 15 ))
+}
+
+moe_pair() {  # $1 = GPUs = EP degree
+  for cfg in moe dense; do
+    timeout 150 torchrun_n "$1" benchmarks/moe.py --config "$cfg" --ep "$1" --steps 15 --warmup 5 2>&1 | grep '^{' \
+      || echo "moe $cfg EP $1: failed"
+  done
+}
+
+pipe() {  # $1 = GPUs, $2 = stages, $3 = configs
+  timeout "${4:-240}" torchrun_n "$1" benchmarks/pipeline.py --stages "$2" --configs "$3" --steps 10 --warmup 3 2>&1 \
+    | sed -n '/^### Pipeline/,$p'
+}
+
+case "$CALL" in
+  1)
+    # The Llama-3-8B shape at tp 2 over one replica holds ~64 GB of model state per GPU: full depth on an
+    # H200, 16 of its 32 layers on an 80 GB H100 (said in the table's header).
+    LL=""; (( GPU_MIB < 100000 )) && LL="--llama-layers 16"
+    ( export CUDA_VISIBLE_DEVICES=0,1; lane_compile 2 ) > "$OUT/laneA.log" 2>&1 &
+    (
+      export CUDA_VISIBLE_DEVICES=2,3
+      python3 benchmarks/tp.py --gpus 2 --budget-s 260 $LL
+      echo "### MoE EP 2 (8 experts) vs dense, zero2"; moe_pair 2
+      pipe 2 2 zero1,zero3,pipe-M4,pipe-M8,pipe-M16 $(( $(left) - 10 ))
+    ) > "$OUT/laneB.log" 2>&1 &
+    wait
+    ;;
+  2)
+    lane_compile 4 > "$OUT/laneA.log" 2>&1
+    ;;
+  3)
+    (
+      python3 benchmarks/tp.py --gpus 4 --tp 4 --budget-s 200
+      python3 benchmarks/tp.py --gpus 4 --tp 2 --configs gpt_zero,gpt_mps --budget-s 110
+      echo "### MoE EP 4 (8 experts) vs dense, zero2"; moe_pair 4
+      pipe 4 4 zero3,pipe-M4,pipe-M8,pipe-M16 $(( $(left) - 10 ))
+    ) > "$OUT/laneA.log" 2>&1
+    ;;
+esac
+
+{
+  for f in "$OUT"/lane*.log; do
+    echo "## $(basename "$f")"
+    grep -v -E 'LeafSpec|litlogger|UserWarning|warnings.warn|^\s*$' "$f" | grep -E '^(\||#|\{|Llama|Global|moe|!!!|Error|.*Traceback)' || true
+  done
+} > "$OUT/summary.md"
+tar czf "$OUT/details.tgz" runs 2>/dev/null
+cat "$OUT/summary.md"
