@@ -37,7 +37,7 @@ left() { echo $(( BUDGET - (SECONDS - START) )); }
 export PYTHONPATH=/tmp/site:$PWD
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 
-torchrun_n() { local n=$1; shift; python3 -m torch.distributed.run --standalone --nproc-per-node "$n" "$@"; }
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc-per-node"  # a command, so `timeout` can run it
 
 lane_compile() {  # $1 = GPU count
   python3 benchmarks/compile.py --gpus "$1" --budget-s $(( $(left) - 15 ))
@@ -45,13 +45,13 @@ lane_compile() {  # $1 = GPU count
 
 moe_pair() {  # $1 = GPUs = EP degree
   for cfg in moe dense; do
-    timeout 150 torchrun_n "$1" benchmarks/moe.py --config "$cfg" --ep "$1" --steps 15 --warmup 5 2>&1 | grep '^{' \
-      || echo "moe $cfg EP $1: failed"
+    timeout 150 $TORCHRUN "$1" benchmarks/moe.py --config "$cfg" --ep "$1" --steps 15 --warmup 5 > "$OUT/moe.tmp" 2>&1 \
+      && grep '^{' "$OUT/moe.tmp" || { echo "moe $cfg EP $1: failed"; tail -n 5 "$OUT/moe.tmp"; }
   done
 }
 
 pipe() {  # $1 = GPUs, $2 = stages, $3 = configs
-  timeout "${4:-240}" torchrun_n "$1" benchmarks/pipeline.py --stages "$2" --configs "$3" --steps 10 --warmup 3 2>&1 \
+  timeout "${4:-240}" $TORCHRUN "$1" benchmarks/pipeline.py --stages "$2" --configs "$3" --steps 10 --warmup 3 2>&1 \
     | sed -n '/^### Pipeline/,$p'
 }
 
@@ -72,6 +72,12 @@ case "$CALL" in
   2)
     lane_compile 4 > "$OUT/laneA.log" 2>&1
     ;;
+  4)  # call 1's lane B after its tp.py (MoE EP 2, pipeline pp 2), beside call 3's MoE EP... on GPUs 0,1
+    ( export CUDA_VISIBLE_DEVICES=0,1
+      echo "### MoE EP 2 (8 experts) vs dense, zero2"; moe_pair 2
+      pipe 2 2 zero1,zero3,pipe-M4,pipe-M8,pipe-M16 $(( $(left) - 10 ))
+    ) > "$OUT/laneA.log" 2>&1
+    ;;
   3)
     (
       python3 benchmarks/tp.py --gpus 4 --tp 4 --budget-s 200
@@ -88,5 +94,5 @@ esac
     grep -v -E 'LeafSpec|litlogger|UserWarning|warnings.warn|^\s*$' "$f" | grep -E '^(\||#|\{|Llama|Global|moe|!!!|Error|.*Traceback)' || true
   done
 } > "$OUT/summary.md"
-tar czf "$OUT/details.tgz" runs 2>/dev/null
+rm -f "$OUT/moe.tmp"; tar czf "$OUT/details.tgz" runs 2>/dev/null
 cat "$OUT/summary.md"
