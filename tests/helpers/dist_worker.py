@@ -147,7 +147,9 @@ def make_trainer(
         plugin_kwargs = {"precision": precision}
     return pl.Trainer(
         accelerator="cpu",
-        devices=int(os.environ["WORLD_SIZE"]),
+        # per node, as a multi-node launch gives them (tests/distributed/test_multinode.py)
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+        num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         strategy=strategy,
         max_steps=max_steps,
         accumulate_grad_batches=int(opts.get("accumulate", 2)),
@@ -215,7 +217,10 @@ def run(name: str, spec: str, out: str) -> None:
         "eager_steps": [getattr(e, "eager_steps", None) for e in trainer.strategy.engines] if kind != "ddp" else [],
         "nvme_left": sorted(str(p.relative_to(opts["nvme"])) for p in Path(opts["nvme"]).rglob("*")) if "nvme" in opts else [],
     }
-    keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units")
+    offload = [getattr(e, "offload", None) for e in getattr(trainer.strategy, "engines", [])]
+    result["node"] = {"num_nodes": trainer.num_nodes, "node_rank": trainer.node_rank,
+                      "offload_ranks_per_node": [o.ranks_per_node for o in offload if o is not None]}
+    keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units", "node")
     save_result(result, {k: result[k] for k in keys}, out, name)
 
 

@@ -20,17 +20,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _clean_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED",
+                   "LOCAL_WORLD_SIZE"):
+        env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests
+    return env
+
+
 def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600,
                script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
     """Run ``script OUT NAME=SPEC...`` under torchrun; each run's ``OUT/NAME.pt`` (written by rank 0)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED"):
-        env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         str(ROOT / script), str(tmp),
     ] + [f"{k}={v}" for k, v in runs.items()]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
+
+
+def run_worker_nodes(tmp: Path, nodes: int, nproc: int, runs: dict[str, str], timeout: int = 600,
+                     script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
+    """``run_worker`` as ``nodes`` simulated nodes on this machine: one torchrun per node, each with
+    ``--nnodes``, its ``--node-rank`` and a common static rendezvous (what a multi-node job's launch
+    looks like), so anything that reads ranks per node sees the launcher's values."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
+             f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
+             str(ROOT / script), str(tmp)] + [f"{k}={v}" for k, v in runs.items()],
+            cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(nodes)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise AssertionError(f"node(s) failed {failed}:\n" + "\n".join(o[-4000:] for o in outputs))
     return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
