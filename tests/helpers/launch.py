@@ -11,6 +11,23 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+ACCELERATOR_ENV = "LZ_TEST_ACCELERATOR"
+"""``gpu`` runs the multi-process parity workers on CUDA with NCCL, one GPU per rank (issue #32: the tensor-
+parallel, MoE and pipeline parity suites over NCCL, tests/distributed/test_nccl.py); unset or ``cpu``: gloo."""
+
+
+def worker_accelerator() -> str:
+    """The Trainer's ``accelerator`` for the parity workers: ``cpu`` unless ``LZ_TEST_ACCELERATOR=gpu``."""
+    return "gpu" if os.environ.get(ACCELERATOR_ENV, "cpu") == "gpu" else "cpu"
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of a launched worker: one thread per rank, no warnings, GPUs hidden unless asked for."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if worker_accelerator() == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
 
 def free_port() -> int:
     import socket
@@ -21,7 +38,7 @@ def free_port() -> int:
 
 
 def _clean_env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = worker_env()
     for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED",
                    "LOCAL_WORLD_SIZE"):
         env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests

@@ -34,6 +34,7 @@ from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import aux_loss  # noqa: E402
 from lightning_zero.moe.parallel import globalize_expert_state, localize_expert_state, moe_layers  # noqa: E402
 from tests.helpers.worker_io import run_against_oracle  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP, E = 4, 8, 16, 48, 1e-2, 0.5, 4
 
@@ -111,7 +112,7 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
     strategy = lightning_zero.ZeroStrategy(stage=stage, expert_parallel=ep, bucket_size_mb=0.002,
                                            param_persistence_threshold=0)  # stage 3: gathered unit by unit
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision="32-true", use_distributed_sampler=False,
     )

@@ -29,6 +29,7 @@ from lightning_zero.checkpoint import load_consolidated  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 from tests.parallel.pp_tp_model import INTERLEAVED_PARTITION, PPTPNet  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 
 def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
@@ -38,7 +39,7 @@ def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
         virtual_stages=int(opts.get("virtual", 2)), bucket_size_mb=0.002,
     )
     return pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=int(opts.get("steps", 6)),
         precision=opts.get("precision", "32-true"), gradient_clip_val=float(opts.get("clip", 0.3)), logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
         callbacks=callbacks,

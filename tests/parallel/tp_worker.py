@@ -35,6 +35,7 @@ from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
 from lightning_zero.parallel.dtensor import local_block, local_tensor  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.helpers.worker_io import run_against_oracle  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
@@ -133,7 +134,7 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
         extra["offload_ratio"] = float(opts["offload_ratio"])
     strategy = lightning_zero.ZeroStrategy(stage=stage, tensor_parallel=tp, bucket_size_mb=0.002, **extra)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, precision=opts.get("precision", "32-true"), use_distributed_sampler=False,
     )

@@ -28,6 +28,7 @@ import lightning_zero  # noqa: E402
 from lightning_zero.pipeline import LayerSpec, PipelineModule  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens, token_loss  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 
 class OneLayerNet(PipeNet):
@@ -49,7 +50,7 @@ def make_trainer(opts: dict[str, str], steps: int, callbacks: list) -> pl.Traine
         checkpoint_format=opts.get("fmt", "sharded"),
     )
     return pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=steps,
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=steps,
         precision=opts.get("precision", "32-true"), gradient_clip_val=float(opts.get("clip", 0.5)) or None,
         accumulate_grad_batches=int(opts.get("accumulate", 1)), logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks), enable_progress_bar=False,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.launch import ROOT, free_port, worker_env
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens
 from tests.helpers.compare import max_rel as _rel
 
@@ -26,7 +26,7 @@ TOL = 1e-4
 
 
 def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
+    env = worker_env()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         str(ROOT / "tests/pipeline/pipe_worker.py"), str(tmp),
