@@ -228,11 +228,12 @@ class Faults(pl.Callback):
             raise RuntimeError(fault_message("batch_end", self.at))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.kind == "sigkill" and trainer.global_rank == 1 and trainer.global_step == self.at:
+        victim = int(self.spec.get("kill_rank", 1))
+        if self.kind == "sigkill" and trainer.global_rank == victim and trainer.global_step == self.at:
             sys.stdout.flush()
             sys.stderr.flush()
             mark_fault("sigkill")
-            Path(self.spec["out"], "sigkill_marker").write_text(f"rank 1 SIGKILLed itself at step {self.at}\n")
+            Path(self.spec["out"], "sigkill_marker").write_text(f"rank {victim} SIGKILLed itself at step {self.at}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
     def report(self) -> dict:
