@@ -101,6 +101,11 @@ def _default_store() -> Optional[dist.Store]:
         return None
 
 
+class OneLineError(RuntimeError):
+    """An error whose message says everything (what went wrong, where, the fix): printed as one line,
+    without a traceback, on every rank (a refusal, not a bug to debug)."""
+
+
 class FailureBoard:
     """The store entry that says which rank failed first, and with what."""
 
@@ -182,6 +187,8 @@ def print_once(board: FailureBoard, exc: BaseException) -> None:
     elif lost_peer and first:  # the peer died without a word (SIGKILL, the OOM killer, a native crash)
         why = ("a peer process ended without reporting an error (killed, out of memory, or a crash in native code); "
                "the launcher's summary names it")
+    elif first and isinstance(exc, OneLineError):
+        why = ""
     elif first:
         return
     else:
@@ -190,8 +197,16 @@ def print_once(board: FailureBoard, exc: BaseException) -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
         if value is exc:
-            text = str(exc).splitlines()[0][:300] if str(exc) else ""
-            print(f"[rank {board.rank}] stopped: {type(exc).__name__}: {text} ({why})", file=sys.stderr, flush=True)
+            if isinstance(exc, OneLineError) and not why:  # a refusal: its whole message, in one line
+                text = " ".join(str(exc).split())
+            elif isinstance(exc, OneLineError) and description.split(": ")[1:2] == [type(exc).__name__]:
+                print(f"[rank {board.rank}] stopped: {type(exc).__name__}, as {description.split(':')[0]} "
+                      "reported above", file=sys.stderr, flush=True)
+                return
+            else:
+                text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            print(f"[rank {board.rank}] stopped: {type(exc).__name__}: {text}{f' ({why})' if why else ''}",
+                  file=sys.stderr, flush=True)
             return
         previous(kind, value, tb)
 
@@ -314,6 +329,6 @@ def start_watchdog(cleanups: list[Callable[[], None]]) -> Optional[PeerWatchdog]
     return dog
 
 
-__all__ = ["FailureBoard", "PeerWatchdog", "hold_sigterm", "looks_like_lost_peer", "print_once", "start_watchdog",
-           "store_reachable"]
+__all__ = ["FailureBoard", "OneLineError", "PeerWatchdog", "hold_sigterm", "looks_like_lost_peer", "print_once",
+           "start_watchdog", "store_reachable"]
 
