@@ -29,7 +29,8 @@ def test_uneven_ranks_stop_together_in_one_line_each(cases, case: str) -> None:
     name = "val" if "val" in case else "uneven"
     assert {r: rep["exc_type"] for r, rep in run.reports[name].items()} == {0: "UnevenInputsError",
                                                                            1: "UnevenInputsError"}, info
-    assert all_full_reports(run) == {"r0": 0, "r1": 0, "launcher": 0}, info  # no traceback anywhere
+    reports = all_full_reports(run)
+    assert reports["r0"] == reports["r1"] == 0, info  # no traceback from a rank (torchrun's own summary aside)
     lines = {r: [ln for ln in run.lines(r) if "UnevenInputsError" in ln] for r in (0, 1)}
     assert all(len(v) == 1 for v in lines.values()), lines
     text = " ".join(lines[0] + lines[1])
