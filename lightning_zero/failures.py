@@ -41,8 +41,9 @@ import socket
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from types import TracebackType
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -193,24 +194,77 @@ def print_once(board: FailureBoard, exc: BaseException) -> None:
         return
     else:
         why = f"the first failure was {description}; its traceback is above"
+    if isinstance(exc, OneLineError) and not why:  # a refusal: its whole message, in one line
+        line = f"[rank {board.rank}] stopped: {type(exc).__name__}: {' '.join(str(exc).split())}"
+    elif isinstance(exc, OneLineError) and description.split(": ")[1:2] == [type(exc).__name__]:
+        line = f"[rank {board.rank}] stopped: {type(exc).__name__}, as {description.split(':')[0]} reported above"
+    else:
+        text = str(exc).splitlines()[0][:300] if str(exc) else ""
+        line = f"[rank {board.rank}] stopped: {type(exc).__name__}: {text} ({why})"
+    _set_line(exc, line)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Optional[TracebackType]) -> None:
         if value is exc:
-            if isinstance(exc, OneLineError) and not why:  # a refusal: its whole message, in one line
-                text = " ".join(str(exc).split())
-            elif isinstance(exc, OneLineError) and description.split(": ")[1:2] == [type(exc).__name__]:
-                print(f"[rank {board.rank}] stopped: {type(exc).__name__}, as {description.split(':')[0]} "
-                      "reported above", file=sys.stderr, flush=True)
-                return
-            else:
-                text = str(exc).splitlines()[0][:300] if str(exc) else ""
-            print(f"[rank {board.rank}] stopped: {type(exc).__name__}: {text}{f' ({why})' if why else ''}",
-                  file=sys.stderr, flush=True)
+            _write_line(line)
             return
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+_LINE_ATTR = "_lightning_zero_one_line"
+
+
+def _write_line(line: str) -> None:
+    """One write of the whole line (print writes the newline separately: another process's output
+    sharing the stream could land in between)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _set_line(exc: BaseException, line: str) -> None:
+    try:
+        setattr(exc, _LINE_ATTR, line)
+    except (AttributeError, TypeError):  # an exception type without a __dict__: the excepthook still prints it
+        pass
+
+
+def one_line(exc: BaseException) -> Optional[str]:
+    """The one line ``print_once`` chose for ``exc`` (None: it is reported in full)."""
+    return getattr(exc, _LINE_ATTR, None)
+
+
+def _launch_rank() -> int:
+    """This process's rank as its launcher exported it (torchrun: RANK; Lightning's re-launched
+    processes: LOCAL_RANK and NODE_RANK; a plain start: 0), for errors before any process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0")) * int(
+        os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+@contextmanager
+def reported_once() -> Iterator[None]:
+    """For entry points whose framework prints an escaping exception itself, before ``sys.excepthook``
+    could (Hydra's ``@hydra.main`` prints the traceback on every rank, then exits 1): an error that
+    ``print_once`` reduced to one line ends the process with that line and status 1; an error raised
+    before any process group exists (a bad config, checked on every rank under torchrun) is reported
+    in full by rank 0 and in one line by the others. Anything else propagates unchanged."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - re-raised unless it has its one line
+        line = one_line(exc)
+        rank = _launch_rank()
+        if line is None and rank > 0 and not (dist.is_available() and dist.is_initialized()):
+            text = str(exc).splitlines()[0][:300] if str(exc) else ""
+            line = f"[rank {rank}] stopped: {type(exc).__name__}: {text} (rank 0 reports it in full)"
+        if line is None:
+            raise
+        _write_line(line)
+        raise SystemExit(1) from None
 
 
 def hold_sigterm() -> None:
@@ -329,6 +383,6 @@ def start_watchdog(cleanups: list[Callable[[], None]]) -> Optional[PeerWatchdog]
     return dog
 
 
-__all__ = ["FailureBoard", "OneLineError", "PeerWatchdog", "hold_sigterm", "looks_like_lost_peer", "print_once",
-           "start_watchdog", "store_reachable"]
+__all__ = ["FailureBoard", "OneLineError", "PeerWatchdog", "hold_sigterm", "looks_like_lost_peer", "one_line",
+           "print_once", "reported_once", "start_watchdog", "store_reachable"]
 
