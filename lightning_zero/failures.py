@@ -51,8 +51,8 @@ log = logging.getLogger(__name__)
 
 _KEY = "lightning_zero/first_failure"
 
-_PEER_LOST = re.compile(r"closed by peer|reset by peer|broken pipe|remote worker|connection refused|recvValue failed|"
-                        r"communicator was aborted|remote process exited|DistNetworkError", re.IGNORECASE)
+_PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker|communicator was aborted|remote process exited",
+                        re.IGNORECASE)
 """Messages of the communication errors a dead peer causes (gloo, NCCL, the store's client)."""
 
 STORE_TIMEOUT_S = 10.0
@@ -80,8 +80,10 @@ def store_reachable(timeout_s: float = 3.0) -> bool:
 
 
 def looks_like_lost_peer(exc: BaseException) -> bool:
-    """A communication error of the kind a dead peer causes (not an error of this rank's own)."""
-    return any(_PEER_LOST.search(f"{type(e).__name__}: {e}") for e in _chain(exc))
+    """A communication error of the kind a dead peer causes (not an error of this rank's own: an
+    ``OSError`` such as a data worker's broken pipe or a full disk is this process's own)."""
+    return any(not isinstance(e, OSError) and (type(e).__name__ == "DistNetworkError" or _PEER_LOST.search(str(e)))
+               for e in _chain(exc))
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

@@ -110,3 +110,12 @@ def test_watchdog_lets_a_normal_end_finish_when_the_store_goes_first(capsys) -> 
     dog.stop()  # teardown within the grace period
     dog.join(timeout=5)
     assert exits == [] and capsys.readouterr().err == ""
+
+
+def test_only_communication_errors_count_as_a_lost_peer() -> None:
+    from lightning_zero.failures import looks_like_lost_peer
+
+    assert looks_like_lost_peer(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert looks_like_lost_peer(RuntimeError("[pair.cc:537] Read error [::1]:2: Connection reset by peer"))
+    assert not looks_like_lost_peer(BrokenPipeError(32, "Broken pipe"))  # a data worker's pipe: this rank's own
+    assert not looks_like_lost_peer(ValueError("Invalid learning rate: -1.0"))
