@@ -35,6 +35,7 @@ from data import DataConfig, TextDataModule
 from gpt import GPTConfig, GPTModule, OptimConfig
 from lightning_zero import ZeroStrategy
 from lightning_zero.config.hydra import RunConfig, register_configs, trainer_kwargs
+from lightning_zero.failures import reported_once
 from lightning_zero.logging import ZeroMetrics
 from run_log import RunLog, log, share_file_handlers
 
@@ -117,6 +118,7 @@ def _announce(cfg: DictConfig, message: str) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@reported_once()  # Hydra prints an error on every rank: one rank in full, the others one line (failures.py)
 def main(cfg: DictConfig) -> Any:
     share_file_handlers()  # Lightning's messages into this rank's log file too (run_log.py says why)
     trainer, model, data = build(cfg)

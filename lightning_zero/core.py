@@ -436,7 +436,7 @@ class ZeroCore(CheckpointMixin):
         if self._checkpointer is not None:
             self._checkpointer.wait_or_abandon(timeout_s=60.0)
         if not isinstance(exception, KeyboardInterrupt):
-            print_once(FailureBoard.for_default_group(), exception)  # the main thread's own store client
+            print_once(FailureBoard.for_default_group(exception), exception)  # the main thread's own store client
         released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}
         message = explain_released_read(exception, released) if released else None
         if message is not None:

@@ -20,9 +20,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero1_offload": {"stage": 1, "offload_optimizer": "cpu"},
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
     "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-    "zero3_offload_nvme": {
-        "stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": "/local_nvme",
-    },  # DeepSpeed's default path; override with ZeroStrategy(..., nvme_path=...) or strategy.nvme_path=...
+    "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme"},
+    # no nvme_path: it must be given (ZeroStrategy(..., nvme_path=...) or strategy.nvme_path=...); DeepSpeed's
+    # /local_nvme rarely exists, and a path that always exists (the run dir, /tmp) is rarely a fast local disk
 }
 """Registered name -> ZeroStrategy keyword arguments (everything else: ZeroConfig's defaults)."""
 

@@ -32,6 +32,7 @@ from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.core import ENGINES, ZeroCore
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.materialize import params_on_meta
 from lightning_zero.zero.stage3 import Stage3Engine
 
@@ -137,6 +138,7 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
                 if isinstance(engine, Stage3Engine):
                     engine.install_module_hooks()
         self._finish_setup(self.model)
+        self._lengths_checked_epoch: Optional[int] = None  # uneven.py [Note: uneven inputs], once per epoch
         if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
             self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
 
@@ -186,6 +188,40 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
                 return super().predict_step(*args, **kwargs)
         finally:
             self._end_eval_step()
+
+    # ------------------------------------------------------------------ uneven inputs (uneven.py)
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The first batch of each epoch: the ranks compare their loaders' lengths (one small all-gather)
+        and stop together, in one line, if the epoch would part them ([Note: uneven inputs])."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or self.world_size == 1 or getattr(self, "_lengths_checked_epoch", None) == trainer.current_epoch:
+            return
+        self._lengths_checked_epoch = trainer.current_epoch
+        lengths = gather_lengths(trainer.num_training_batches)
+        check_training_epoch(lengths, trainer.current_epoch, batch_idx, trainer.global_step, trainer.max_steps,
+                             trainer.accumulate_grad_batches)
+
+    def _check_eval_lengths(self, kind: str) -> None:
+        """Stage 3 and pipelines run collectives in every evaluation forward: equal loop lengths or a refusal."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or self.world_size == 1 or (self.config.stage < 3 and self._pipeline is None):
+            return
+        counts = {"val": trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches,
+                  "test": trainer.num_test_batches, "predict": trainer.num_predict_batches}[kind]
+        check_eval_lengths({"val": "validation"}.get(kind, kind), list(counts))
+
+    @override
+    def on_validation_start(self) -> None:
+        self._check_eval_lengths("val")
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_eval_lengths("test")
+
+    @override
+    def on_predict_start(self) -> None:
+        self._check_eval_lengths("predict")
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -63,8 +63,10 @@ class ZeroConfig:
     and rank). They are copied to the device unit by unit, with the same prefetch as the gathers."""
 
     nvme_path: Optional[str] = None
-    """Directory for 'nvme' offload (a fast local disk; not tmpfs, which is RAM). It must exist, be
-    writable and have room for the swap files (checked before training). Swap files go to a
+    """Directory for 'nvme' offload (a fast local disk; not tmpfs, which is RAM); no default (the
+    ``zero3_offload_nvme`` preset refuses without one). It must exist and be writable (checked here,
+    when the config is built, before any process starts) and have room for the swap files (checked at
+    setup, once the model's size is known). Swap files go to a
     ``lightning_zero_swap`` subdirectory and are removed at teardown; never point it at checkpoints."""
 
     pin_memory: bool = True
@@ -317,8 +319,9 @@ class ZeroConfig:
             )
 
     def _validate_offload(self) -> None:
-        """Offload settings that cannot work together fail here, at construction (the path's existence,
-        writability and free space are checked at setup, once the model's size is known)."""
+        """Offload settings that cannot work together fail here, at construction, and so does an
+        ``nvme_path`` that does not exist or takes no file (its free space against the swap files' size
+        is checked at setup, once the model's size is known)."""
         for name in ("offload_optimizer", "offload_params"):
             if getattr(self, name) not in VALID_OFFLOAD:
                 raise ValueError(f"{name} must be one of {list(VALID_OFFLOAD)}, got {getattr(self, name)!r}.")
@@ -340,10 +343,16 @@ class ZeroConfig:
             )
         if self.offload_optimizer != "none" and self.pipeline_stages > 1:
             raise ValueError("offload_optimizer with pipeline_stages > 1 is not supported yet.")
-        if "nvme" in (self.offload_optimizer, self.offload_params) and not self.nvme_path:
-            raise ValueError(
-                "offload to 'nvme' needs nvme_path: a directory on a fast local disk, e.g. nvme_path='/local_nvme'."
-            )
+        if "nvme" in (self.offload_optimizer, self.offload_params):
+            if not self.nvme_path:  # no default: a path that exists on every machine is not a fast local disk
+                raise ValueError(
+                    "offload to 'nvme' needs nvme_path: an existing directory on a fast local disk (not tmpfs), e.g. "
+                    "ZeroStrategy(stage=3, offload_optimizer='nvme', offload_params='nvme', nvme_path='/mnt/nvme'), "
+                    "or strategy.nvme_path=/mnt/nvme on the command line of examples/train.py."
+                )
+            from lightning_zero.offload.nvme import check_nvme_dir  # (offload imports config: imported here)
+
+            check_nvme_dir(self.nvme_path)  # exists, writable, disk not full: before any process starts
         if not self.nvme_chunk_mb > 0 or not (isinstance(self.nvme_io_threads, int) and self.nvme_io_threads >= 1):
             raise ValueError(
                 f"nvme_chunk_mb must be > 0 and nvme_io_threads an integer >= 1, got {self.nvme_chunk_mb!r}, "

@@ -132,6 +132,37 @@ def _probe_direct(directory: Path) -> bool:
     return direct
 
 
+def check_nvme_dir(nvme_path: str) -> Path:
+    """What can be checked before the model's size is known (ZeroConfig's validation, so at the
+    strategy's construction, before any process starts): the directory exists, is a directory, takes a
+    file, and its disk is not full. ``check_nvme_path`` checks the free space against the swap files'
+    size at setup."""
+    path = Path(nvme_path).expanduser()
+    if not path.exists():
+        raise NvmePathError(
+            f"nvme_path '{nvme_path}' does not exist. Create it (on a fast local disk) or set nvme_path to one that does."
+        )
+    if not path.is_dir():
+        raise NvmePathError(f"nvme_path '{nvme_path}' is not a directory.")
+    probe = path / f".lz-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise NvmePathError(
+            f"nvme_path '{nvme_path}' is not writable ({err.strerror or err}); offload to 'nvme' writes swap files there. "
+            "Choose a writable directory with free space."
+        ) from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+    return path
+
+
 def check_nvme_path(nvme_path: Optional[str], need_bytes: int, what: str) -> Path:
     """One clear error before training when ``nvme_path`` cannot take ``need_bytes`` of swap files."""
     if not nvme_path:

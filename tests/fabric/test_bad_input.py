@@ -17,11 +17,17 @@ def _fabric(strategy: object) -> Fabric:
     return fabric
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "pipeline"])
+@pytest.mark.parametrize("name", [n for n in PRESETS if n not in ("pipeline", "zero3_offload_nvme")])
 def test_every_registered_name_builds_a_fabric_strategy(name: str) -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=name)
     assert isinstance(fabric.strategy, lightning_zero.ZeroFabricStrategy)
     assert fabric.strategy.config.stage == PRESETS[name]["stage"]
+
+
+def test_nvme_preset_without_a_path_is_refused_with_the_fix() -> None:
+    """zero3_offload_nvme has no default nvme_path (issue #27): it must be given."""
+    with pytest.raises(ValueError, match="needs nvme_path.*nvme_path='/mnt/nvme'"):
+        Fabric(accelerator="cpu", devices=2, strategy="zero3_offload_nvme")
 
 
 def test_pipeline_is_refused_with_a_reason() -> None:

@@ -42,6 +42,12 @@ def rank1_cases() -> list[str]:
 
 
 BAD_LR_CASES = [f"zero2-bad_lr-{lch}" for lch in LAUNCHERS]
+UNEVEN_CASES = ["zero2-uneven57-torchrun", "zero3-uneven75-lightning", "zero3-unevenval-torchrun"]
+"""Per-rank loaders of 5 and 7 batches (no distributed sampler): zero2 first runs a fit that max_steps=5 ends
+before the ranks part (it must succeed, as under ddp), then one epoch (refused); zero3 the same epoch with the
+ranks swapped; ``unevenval``: stage 3 validation loops of 2 and 3 batches."""
+RANK0_KILL_CASES = [f"zero3-sigkill0-{lch}" for lch in LAUNCHERS]
+"""Rank 0 (the rendezvous store's host under Lightning's launcher) SIGKILLs itself at global step AT."""
 ENOSPC_CASES = ["zero3_offload_nvme-nvme_enospc-torchrun"]
 KILL_CASES = [f"kill-{s}" for s in KILL_STRATEGIES]
 
@@ -54,11 +60,23 @@ class KillResume:
     listing_after_kill: list[str]
 
 
+def _uneven_plan(strategy: str, fault: str) -> list[dict[str, Any]]:
+    if fault == "unevenval":
+        return [{"name": "val", "strategy": strategy, "batches": [2, 2], "val_batches": [2, 3], "steps": -1, "epochs": 1}]
+    batches = [5, 7] if fault == "uneven57" else [7, 5]
+    plan = [{"name": "ok", "strategy": strategy, "batches": batches, "steps": 5}] if fault == "uneven57" else []
+    return plan + [{"name": "uneven", "strategy": strategy, "batches": batches, "steps": -1, "epochs": 1}]
+
+
 def _fault_case(case: str, out: Path) -> FaultRun:
     strategy, fault, launcher = case.split("-")
+    if fault.startswith("uneven"):
+        return launch(out, _uneven_plan(strategy, fault), launcher)
     spec: dict[str, Any] = {"name": "run", "strategy": strategy, "fault": fault, "at": AT, "steps": STEPS}
     if fault == "slowclean":
         spec.update(fault="train_step", slow_cleanup=True)
+    if fault == "sigkill0":
+        spec.update(fault="sigkill", kill_rank=0)
     if fault == "nvme_eio":
         spec["after"] = 2  # the 2nd read/write of rank 1's I/O threads from step 2 on
     if fault == "nvme_enospc":

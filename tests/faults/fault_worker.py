@@ -18,7 +18,10 @@ SPEC.json is a list of fits, run in order in one process group; each is a dict:
   ``on_before_optimizer_step`` at global step ``at``); with ``slow_cleanup``, rank 0's file removals
   take 0.5 s each from global step ``at`` on (see ``_slow_file_removal``);
 * ``ckpt``: a ModelCheckpoint in that directory (``every`` = every_n_train_steps, ``save_last=True``);
-  ``resume``: ``ckpt_path`` for fit (e.g. ``"last"``).
+  ``resume``: ``ckpt_path`` for fit (e.g. ``"last"``);
+* ``batches``: per-rank training loader lengths (e.g. ``[5, 7]``: no distributed sampler, uneven
+  inputs, issue #27 item 7); ``val_batches``: per-rank validation loader lengths (validation runs at
+  each epoch's end); ``epochs``: max_epochs (``steps`` -1: the epochs decide).
 
 Every line a rank writes through ``sys.stdout``/``sys.stderr`` (tracebacks, logging, prints) is
 prefixed ``[r<rank>] `` and written whole (one ``write(2)``), so that the tests can tell which rank
@@ -107,6 +110,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import lightning_zero  # noqa: E402
@@ -228,11 +232,12 @@ class Faults(pl.Callback):
             raise RuntimeError(fault_message("batch_end", self.at))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
-        if self.kind == "sigkill" and trainer.global_rank == 1 and trainer.global_step == self.at:
+        victim = int(self.spec.get("kill_rank", 1))
+        if self.kind == "sigkill" and trainer.global_rank == victim and trainer.global_step == self.at:
             sys.stdout.flush()
             sys.stderr.flush()
             mark_fault("sigkill")
-            Path(self.spec["out"], "sigkill_marker").write_text(f"rank 1 SIGKILLed itself at step {self.at}\n")
+            Path(self.spec["out"], "sigkill_marker").write_text(f"rank {victim} SIGKILLed itself at step {self.at}\n")
             os.kill(os.getpid(), signal.SIGKILL)
 
     def report(self) -> dict:
@@ -245,9 +250,28 @@ class Faults(pl.Callback):
 class FaultNet(CkptNet):
     """CkptNet (tests/checkpoint/models.py: global step s always trains on the same fixed global batch)."""
 
-    def __init__(self, fault: str | None = None, at: int = 2, lr: float = 3e-3) -> None:
+    def __init__(self, fault: str | None = None, at: int = 2, lr: float = 3e-3, batches: list[int] | None = None,
+                 val_batches: list[int] | None = None) -> None:
         super().__init__(lr=lr)
         self.fault, self.at = fault, at
+        self.batches, self.val_batches = batches, val_batches
+
+    def train_dataloader(self) -> Any:
+        if self.batches is None:
+            return super().train_dataloader()
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(torch.arange(self.batches[self.trainer.global_rank])), batch_size=1)
+
+    def val_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(TensorDataset(torch.arange((self.val_batches or [0, 0])[self.trainer.global_rank])),
+                          batch_size=1)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        rows = self.data[batch[0] % self.data.shape[0]]
+        return self(rows[:, :-1]).float().mean()
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         if self.fault == "train_step" and self.trainer.global_rank == 1 and self.trainer.global_step == self.at:
@@ -300,7 +324,8 @@ def run_fit(spec: dict, out: str) -> None:
     at = int(spec.get("at", 2))
     started = time.perf_counter()
     pl.seed_everything(0, workers=True)
-    model = FaultNet(kind, at, lr=-1.0 if kind == "bad_lr" else 3e-3)
+    model = FaultNet(kind, at, lr=-1.0 if kind == "bad_lr" else 3e-3, batches=spec.get("batches"),
+                     val_batches=spec.get("val_batches"))
     faults = Faults(spec)
     callbacks: list[Any] = [faults]
     ck = spec.get("ckpt")
@@ -312,7 +337,8 @@ def run_fit(spec: dict, out: str) -> None:
     try:
         trainer = pl.Trainer(
             accelerator="cpu", devices=2, strategy=make_strategy(spec, out), precision="32-true",
-            max_steps=int(spec.get("steps", 4)), gradient_clip_val=1.0, limit_val_batches=0, num_sanity_val_steps=0,
+            max_steps=int(spec.get("steps", 4)), max_epochs=spec.get("epochs"), gradient_clip_val=1.0,
+            limit_val_batches=1.0 if spec.get("val_batches") else 0, num_sanity_val_steps=0,
             logger=False, enable_checkpointing=bool(ck), enable_progress_bar=False, enable_model_summary=False,
             use_distributed_sampler=False, callbacks=callbacks,
         )

@@ -61,7 +61,12 @@ def test_default_job(hydra_ctx: None) -> None:
 def test_every_group_option_composes(hydra_ctx: None, group: str) -> None:
     assert len(_options(group)) >= 2 or group == "data"
     for option in _options(group):
-        cfg = _compose(f"{group}={option}")
+        if (group, option) == ("strategy", "zero3_offload_nvme"):  # no default nvme_path (issue #27): refused
+            with pytest.raises(ValueError, match="needs nvme_path"):
+                OmegaConf.to_object(_compose(f"{group}={option}"))
+            cfg = _compose(f"{group}={option}", f"strategy.nvme_path={CONF}")
+        else:
+            cfg = _compose(f"{group}={option}")
         OmegaConf.to_container(cfg, resolve=True)
         OmegaConf.to_object(cfg)
 
@@ -129,6 +134,9 @@ def test_strategy_files_match_the_registered_presets(hydra_ctx: None) -> None:
     for name, preset in registry.PRESETS.items():
         composed = OmegaConf.to_container(_compose(f"strategy={name}").strategy)
         assert isinstance(composed, dict)
+        if name == "zero3_offload_nvme":  # no default path (issue #27): compared with one given
+            assert composed["nvme_path"] is None and "nvme_path" not in preset
+            composed["nvme_path"] = preset["nvme_path"] = str(Path(__file__).parent)
         assert {k: composed[k] for k in names} == asdict(ZeroConfig(**preset))
 
 

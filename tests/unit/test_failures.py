@@ -66,3 +66,56 @@ def test_watchdog_leaves_alone_a_rank_that_fails_itself_or_ends() -> None:
     own.join(timeout=5)
     ended.join(timeout=5)
     assert exits == []
+
+
+def test_a_lost_peer_is_one_line_naming_the_dead_store(capsys) -> None:  # type: ignore[no-untyped-def]
+    """[Note: a dead store is a dead peer]: gloo's error after the store's host died prints one line."""
+    exc = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically caused by ...")
+    saved = sys.excepthook
+    try:
+        print_once(FailureBoard(None, 1, store_lost=True), exc)
+        sys.excepthook(RuntimeError, exc, None)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "[rank 1] stopped: RuntimeError:" in err and "rendezvous store" in err
+        own = ValueError("bad lr")  # an error of this rank's own still prints in full
+        print_once(FailureBoard(None, 1, store_lost=True), own)
+        assert sys.excepthook(ValueError, own, None) is None and "stopped" not in capsys.readouterr().err
+    finally:
+        sys.excepthook = saved
+
+
+class _DeadStore:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def check(self, keys: list) -> bool:
+        self.calls += 1
+        raise RuntimeError("recvValue failed: Connection was likely closed")
+
+
+def test_watchdog_treats_an_unreachable_store_as_a_dead_peer(capsys) -> None:  # type: ignore[no-untyped-def]
+    store, exits = _DeadStore(), []
+    dog = PeerWatchdog(FailureBoard(store, 1), [], poll_s=0.02, lost_grace_s=0.2, exit_fn=exits.append)  # type: ignore[arg-type]
+    dog.start()
+    dog.join(timeout=5)
+    assert exits == [1] and store.calls == 1  # the store is called once, never again (each call prints C++ frames)
+    assert "rendezvous store" in capsys.readouterr().err
+
+
+def test_watchdog_lets_a_normal_end_finish_when_the_store_goes_first(capsys) -> None:  # type: ignore[no-untyped-def]
+    exits: list = []
+    dog = PeerWatchdog(FailureBoard(_DeadStore(), 1), [], poll_s=0.02, lost_grace_s=2.0, exit_fn=exits.append)  # type: ignore[arg-type]
+    dog.start()
+    time.sleep(0.3)
+    dog.stop()  # teardown within the grace period
+    dog.join(timeout=5)
+    assert exits == [] and capsys.readouterr().err == ""
+
+
+def test_only_communication_errors_count_as_a_lost_peer() -> None:
+    from lightning_zero.failures import looks_like_lost_peer
+
+    assert looks_like_lost_peer(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert looks_like_lost_peer(RuntimeError("[pair.cc:537] Read error [::1]:2: Connection reset by peer"))
+    assert not looks_like_lost_peer(BrokenPipeError(32, "Broken pipe"))  # a data worker's pipe: this rank's own
+    assert not looks_like_lost_peer(ValueError("Invalid learning rate: -1.0"))
