@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import atomic, tp_full
+from lightning_zero.checkpoint import atomic, save_errors, tp_full
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.experts import ExpertNames, refuse_full_format
 from lightning_zero.checkpoint.sharded import (
@@ -168,12 +168,23 @@ class CheckpointMixin:
         if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
             if storage_options is None and atomic.Path(filepath).is_dir():
                 raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
+            self._refuse_nonfinite_full(checkpoint, filepath)
             if self.is_global_zero:  # type: ignore[attr-defined]
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
         self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, self._sharded_info(checkpoint))
+
+    def _refuse_nonfinite_full(self, checkpoint: Mapping[str, Any], filepath: Any) -> None:
+        """Collective: a full checkpoint whose weights or optimizer states hold NaN or inf is refused on
+        every rank, before rank 0 writes (save_errors.py)."""
+        kept = {k: checkpoint.get(k) for k in ("state_dict", "optimizer_states", "model", "optimizer")}
+        found = save_errors.first_nonfinite(save_errors.tensors_of({k: v for k, v in kept.items() if v is not None}))
+        findings = C.all_gather_object(found, self.checkpointer.group)
+        if any(f is not None for f in findings):
+            final = Path(filepath)
+            save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, None))
 
     def _sharded_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """What ``meta.pt`` says about the run that wrote a sharded checkpoint."""
