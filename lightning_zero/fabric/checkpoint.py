@@ -75,8 +75,7 @@ class FabricCheckpointMixin:
             module_key, opt_keys = self._roles(state)
             self._refuse_nonfinite_full(  # type: ignore[attr-defined]
                 {"model": converted.get(module_key), "optimizer": [converted[k] for k in opt_keys]}, path)
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)  # type: ignore[attr-defined]
+            self._write_full(converted, path, storage_options)  # type: ignore[attr-defined]
             return
         module_key, opt_keys = self._roles(state)
         if filter and any(k in filter for k in [module_key, *opt_keys] if k is not None):

@@ -114,3 +114,29 @@ def test_commit_puts_the_old_checkpoint_back_when_the_rename_fails(tmp_path: Pat
     with pytest.raises(OSError):
         atomic.commit(partial, final, fsync=False)
     assert (final / "old").read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == [".lz-partial-x", "last"]
+
+
+def test_full_format_save_refuses_nan_and_survives_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fabric, model, opt = _setup(stage=2, checkpoint_format="full", nonfinite="ignore")
+    _step(fabric, model, opt, nan=False)
+    path = tmp_path / "last.ckpt"
+    fabric.save(path, {"model": model, "optimizer": opt})
+    good = path.read_bytes()
+    io = fabric.strategy.checkpoint_io
+    real = io.save_checkpoint
+
+    def full_disk(checkpoint: object, target: object, storage_options: object = None) -> None:
+        Path(str(target)).write_bytes(b"half a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(io, "save_checkpoint", full_disk)
+    with pytest.raises(save_errors.CheckpointSaveError) as err:
+        fabric.save(path, {"model": model, "optimizer": opt})
+    assert "\n" not in str(err.value) and "No space left on device (ENOSPC)" in str(err.value)
+    assert f"previous checkpoint {path} is kept" in str(err.value)
+    assert path.read_bytes() == good and sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+    monkeypatch.setattr(io, "save_checkpoint", real)
+    _step(fabric, model, opt, nan=True)  # nonfinite='ignore': NaN weights from here on
+    with pytest.raises(save_errors.NonFiniteCheckpointError, match=r"holds NaN or inf.*last.ckpt is kept"):
+        fabric.save(path, {"model": model, "optimizer": opt})
+    assert path.read_bytes() == good
