@@ -144,7 +144,8 @@ def os_error_in(e: BaseException) -> Optional[OSError]:
     return None
 
 
-def save_failed(final: Path, cause: BaseException, needed: int, free: Optional[int], kept: Optional[Path]) -> CheckpointSaveError:
+def save_failed(final: Path, cause: BaseException, needed: int, free: Optional[int],
+                kept: Optional[Path]) -> CheckpointSaveError:
     """The one-line error of a failed save (see the module note)."""
     os_err = os_error_in(cause)
     if os_err is not None:

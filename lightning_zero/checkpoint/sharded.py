@@ -333,7 +333,8 @@ class ShardedCheckpointer:
         (partial_name, free, failure), needed = gathered[0][0], sum(n for _, n in gathered)  # type: ignore[misc]
 
         def failed(cause: BaseException) -> save_errors.CheckpointSaveError:
-            return save_errors.save_failed(final, cause, needed, free, save_errors.previous_checkpoint(final, self._last_saved))
+            kept = save_errors.previous_checkpoint(final, self._last_saved)
+            return save_errors.save_failed(final, cause, needed, free, kept)
 
         if failure is not None:
             raise failed(OSError(*failure)) from None
