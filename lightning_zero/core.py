@@ -378,7 +378,8 @@ class ZeroCore(CheckpointMixin):
         step = self._step_index(engine)
         self._steps_seen[id(engine)] = step + 1
         scale_can_drop = scaler is not None and scaler.scale > scaler.config.min_scale
-        stepped = engine.step(clip, scaler, check_finite=policy != "ignore")
+        # fp16 overflows the scale can still absorb are the scaler's: no search for the culprit
+        stepped = engine.step(clip, scaler, check_finite=policy != "ignore" and not scale_can_drop)
         if stepped:
             self._nonfinite_in_a_row = 0
             return True

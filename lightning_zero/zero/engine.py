@@ -11,7 +11,8 @@ What happens, in order, for one optimizer step (stage files override only the ma
    parameters got no gradient this time) are launched in order with zeros for the missing
    parameters, and every collective is awaited and finalised (``_finalize``, per stage).
 4. ``step``: global gradient norm, non-finite check ([Note: non-finite steps]), unscale and clip in
-   one multiply, the user's optimizer steps the master, updated parameters are written back (``_write_back``, per stage).
+   one multiply, the user's optimizer steps the master, updated parameters are written back
+   (``_write_back``, per stage).
 
 [Note: launch in bucket order]
 Collectives must be issued in the same order on every rank. Hooks fire in an order that depends

@@ -140,3 +140,18 @@ def test_full_format_save_refuses_nan_and_survives_a_full_disk(tmp_path: Path, m
     with pytest.raises(save_errors.NonFiniteCheckpointError, match=r"holds NaN or inf.*last.ckpt is kept"):
         fabric.save(path, {"model": model, "optimizer": opt})
     assert path.read_bytes() == good
+
+
+def test_fp16_overflow_at_the_minimum_scale_follows_the_policy(caplog: pytest.LogCaptureFixture) -> None:
+    """Above the minimum the scaler absorbs overflows as before; at it, NaN steps count as non-finite."""
+    precision = lightning_zero.ZeroFabricPrecision("16-mixed", {"hysteresis": 1, "initial_scale_power": 1})
+    fabric, model, opt = _setup(stage=2, precision=precision, max_nonfinite_steps=2)
+    with caplog.at_level("WARNING", logger="lightning_zero"):
+        _step(fabric, model, opt, nan=True)  # scale 2 -> 1: the scaler's skip
+        assert fabric.strategy.loss_scale == 1.0 and fabric.strategy.skipped_steps == 1
+        assert not [r for r in caplog.records if "Non-finite" in r.getMessage()]
+        _step(fabric, model, opt, nan=True)  # at the minimum: the policy's first skip
+        assert fabric.strategy.skipped_steps == 2
+        assert [r for r in caplog.records if "Non-finite" in r.getMessage() and "at step 1" in r.getMessage()]
+    with pytest.raises(lightning_zero.NonFiniteStepError, match=r"2 non-finite steps in a row"):
+        _step(fabric, model, opt, nan=True)
