@@ -59,6 +59,9 @@ ZERO = {
                               delayed_param_update_warmup=2),
     "zero3_offload": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
     "zero3_offload_after": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", offload_step_in_backward=False),
+    # nonfinite='skip' (the default) runs the CPU step after backward; 'ignore' lets it run during backward
+    "zero3_offload_ignore": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", nonfinite="ignore"),
+    "zero2_offload_ignore": dict(stage=2, offload_optimizer="cpu", nonfinite="ignore"),
     "zero3_offload_dpu": dict(stage=3, offload_optimizer="cpu", offload_params="cpu", delayed_param_update=True,
                               delayed_param_update_warmup=2),
     "zero3_offload_opt": dict(stage=3, offload_optimizer="cpu"),

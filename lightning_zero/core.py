@@ -115,6 +115,11 @@ class ZeroCore(CheckpointMixin):
         """Set by a failure: teardown then releases everything without a collective."""
         self.compile_plan: Optional[CompilePlan] = None
         """What zero/compile.py compiled or made eager at the last setup (None: nothing to do)."""
+        self._steps_seen: dict[int, int] = {}
+        """Optimizer steps taken or skipped, by engine id (for messages)."""
+        self._nonfinite_skipped = 0
+        """Steps skipped for a non-finite gradient (fp32/bf16; fp16's skips are its scaler's)."""
+        self._nonfinite_in_a_row = 0
 
     @property
     def _zero_module(self) -> Optional[torch.nn.Module]:  # pragma: no cover - each front end says
@@ -363,15 +368,57 @@ class ZeroCore(CheckpointMixin):
         engine.reduce_gradients = compressed_comm.gradient_allreduce_needed(engine.optimizer)
 
     def _step_engine(self, engine: ZeroEngine, clip: Optional[float]) -> bool:
-        """Unscale, clip, step and write back through ``engine``; False (and a warning) when an fp16
-        overflow skipped the step on every rank."""
+        """Unscale, clip, step and write back through ``engine``; False (and a warning) when the step
+        was skipped on every rank: an fp16 overflow, or a non-finite gradient under ``nonfinite='skip'``
+        (zero/engine.py [Note: non-finite steps]); ``nonfinite='error'``, or too many skips in a row,
+        raise :class:`NonFiniteStepError` on every rank."""
         precision = self.precision_plugin  # type: ignore[attr-defined]
-        stepped = engine.step(clip, precision.scaler)
-        if not stepped:
+        scaler = precision.scaler
+        policy = self.config.nonfinite
+        step = self._step_index(engine)
+        self._steps_seen[id(engine)] = step + 1
+        scale_can_drop = scaler is not None and scaler.scale > scaler.config.min_scale
+        # fp16 overflows the scale can still absorb are the scaler's: no search for the culprit
+        stepped = engine.step(clip, scaler, check_finite=policy != "ignore" and not scale_can_drop)
+        if stepped:
+            self._nonfinite_in_a_row = 0
+            return True
+        if scaler is not None and (policy == "ignore" or scale_can_drop):
             rank_zero_only(log.warning)(
                 f"fp16 gradient overflow: step skipped on every rank, loss scale now {precision.loss_scale:g}"
             )
-        return stepped
+            return False
+        self._nonfinite_in_a_row += 1
+        if scaler is None:
+            self._nonfinite_skipped += 1  # fp16's skips are counted by its scaler
+        where = self._where_nonfinite(engine)
+        what = f"Non-finite gradient norm ({engine.grad_norm}) at step {step}: {where}"
+        if policy == "error":
+            raise NonFiniteStepError(f"{what}. Stopping (nonfinite='error'); nonfinite='skip' skips such steps.")
+        if self._nonfinite_in_a_row >= self.config.max_nonfinite_steps:
+            raise NonFiniteStepError(
+                f"{what}. {self._nonfinite_in_a_row} non-finite steps in a row (max_nonfinite_steps="
+                f"{self.config.max_nonfinite_steps}): the run diverged or its data holds NaN/inf; stopping."
+            )
+        rank_zero_only(log.warning)(
+            f"{what}. Step skipped on every rank (weights and optimizer state unchanged; "
+            f"{self._nonfinite_in_a_row} in a row of max_nonfinite_steps={self.config.max_nonfinite_steps})."
+        )
+        return False
+
+    def _step_index(self, engine: ZeroEngine) -> int:
+        """The number of this optimizer's steps so far, skipped ones included (the Trainer's
+        ``global_step`` for a single optimizer), for messages."""
+        return self._steps_seen.get(id(engine), 0)
+
+    def _where_nonfinite(self, engine: ZeroEngine) -> str:
+        """Collective (every rank skipped the same step): the first non-finite gradient any rank found
+        in its shard, as words."""
+        found = [f for f in C.all_gather_object(engine.nonfinite_where, None) if f is not None]
+        if not found:
+            return "every gradient element is finite, the sum of their squares overflowed (gradients above ~1e19)"
+        group, name = min(found, key=lambda f: f[0])  # type: ignore[index]
+        return f"first non-finite gradient in param group {group} ('{name}')"
 
     @property
     def grad_norm(self) -> Optional[float]:
@@ -385,8 +432,9 @@ class ZeroCore(CheckpointMixin):
 
     @property
     def skipped_steps(self) -> int:
+        """Steps skipped on every rank so far: fp16 overflows and non-finite steps (``nonfinite='skip'``)."""
         scaler = self.precision_plugin.scaler  # type: ignore[attr-defined]
-        return scaler.overflows if scaler is not None else 0
+        return (scaler.overflows if scaler is not None else 0) + self._nonfinite_skipped
 
     @property
     def engines(self) -> list[ZeroEngine]:
@@ -479,6 +527,10 @@ class ZeroCore(CheckpointMixin):
             if isinstance(engine, Stage3Engine) and module is not None:
                 engine.end_eval_step()
                 self._guards += guard_released_modules(module, engine)
+
+
+class NonFiniteStepError(RuntimeError):
+    """A non-finite gradient stopped the run (``nonfinite='error'``, or ``max_nonfinite_steps`` in a row)."""
 
 
 def check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[int, str]) -> None:

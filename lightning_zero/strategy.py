@@ -270,12 +270,20 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         self._step_engine(engine, clip)
         return result
 
+    def _step_index(self, engine: Any) -> int:
+        """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and len(self._engines) == 1:
+            return int(trainer.global_step)
+        return super()._step_index(engine)
+
     def _step_can_run_in_backward(self, model: "pl.LightningModule") -> bool:
         """Whether this step's coefficient is 1 before backward starts (offload/eager.py says why it matters)."""
         trainer = model.trainer
         return bool(
             self.config.offload_step_in_backward
             and self.precision_plugin.scaler is None
+            and self.config.nonfinite == "ignore"  # a skip must leave the state untouched (engine.py [Note: non-finite steps])
             and not trainer.gradient_clip_val
             and trainer.accumulate_grad_batches == 1
             and model.automatic_optimization

@@ -77,11 +77,19 @@ def commit(partial: PathLike, final: PathLike, fsync: bool) -> None:
     if final.exists() or final.is_symlink():
         old = final.parent / f"{PARTIAL_PREFIX}old-{uuid.uuid4().hex[:8]}"
         os.replace(final, old)
-    os.replace(partial, final)
+    try:
+        os.replace(partial, final)
+    except BaseException:
+        if old is not None:  # the previous checkpoint goes back to its name
+            os.replace(old, final)
+        raise
     if fsync:
         _fsync_dir(final.parent)
-    if old is not None:
-        remove(old)
+    if old is not None:  # the new checkpoint is in place: a leftover old one is no failure of the save
+        try:
+            remove(old)
+        except OSError:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def remove(path: PathLike) -> None:

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import io
 import logging
+import shutil
 import threading
 import time
 import warnings
@@ -38,7 +39,7 @@ from torch import Tensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from lightning_zero.checkpoint import atomic
+from lightning_zero.checkpoint import atomic, save_errors
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.pieces import FlatPiece, PieceLoadPlanner, PieceSavePlanner
 from lightning_zero.checkpoint.storage import CheckedReader, CheckedWriter, CorruptCheckpointError
@@ -238,6 +239,8 @@ class ShardedCheckpointer:
         self._arena = _HostArena()
         self.last_save: dict[str, float] = {}
         """Timings of the latest save (seconds): ``blocking`` (what the caller waited) and ``total``."""
+        self._last_saved: Optional[Path] = None
+        """The latest checkpoint this saver completed (named by a failed save's error as kept)."""
 
     # ------------------------------------------------------------------------------ save
     def save(self, view: L.RankView, checkpoint: dict[str, Any], path: atomic.PathLike,
@@ -256,6 +259,7 @@ class ShardedCheckpointer:
                 entries.update(opt_entries)
             weights = L.weight_info(view)
             entries, weights, stage_records = self._merge_stages(view, entries, weights, records)
+            self._refuse_nonfinite(entries, final)
             meta_bytes = b""
             if self.rank == 0:
                 rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -283,6 +287,12 @@ class ShardedCheckpointer:
         blocking = time.perf_counter() - t0
         self._pending = _in_daemon_thread(self._timed, job, t0)
         self.last_save = {"blocking": blocking}
+
+    def _refuse_nonfinite(self, entries: dict[str, Any], final: Path) -> None:
+        """Collective: no rank writes when any rank's pieces hold NaN or inf (save_errors.py)."""
+        findings = C.all_gather_object(save_errors.first_nonfinite(entries), self.group)
+        if any(f is not None for f in findings):
+            save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, self._last_saved))
 
     def _timed(self, job: Callable[[], None], t0: float) -> None:
         job()
@@ -314,28 +324,61 @@ class ShardedCheckpointer:
         return kept, all_weights, stage_records
 
     def _write(self, entries: dict[str, Any], meta_bytes: bytes, final: Path) -> None:
-        """Everything after the pieces are known: partial directory, DCP write, meta.pt, rename."""
+        """Everything after the pieces are known: partial directory, DCP write, meta.pt, rename. A
+        failure anywhere removes the partial and raises one line on every rank (save_errors.py [Note:
+        a failed save leaves what was there])."""
         t0 = time.perf_counter()
-        partial = atomic.new_partial_name(final) if self.rank == 0 else None
-        partial = Path(C.broadcast_object(str(partial) if partial else None, 0, self.group))  # type: ignore[arg-type]
-        if self.rank == 0:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            atomic.remove_stale_partials(final.parent, keep=partial)
-            partial.mkdir(parents=True, exist_ok=True)
-        C.barrier(self.group)
+        opened = self._open_partial(final) if self.rank == 0 else None
+        gathered = C.all_gather_object((opened, _nbytes(entries) + len(meta_bytes)), self.group)
+        (partial_name, free, failure), needed = gathered[0][0], sum(n for _, n in gathered)  # type: ignore[misc]
+
+        def failed(cause: BaseException) -> save_errors.CheckpointSaveError:
+            kept = save_errors.previous_checkpoint(final, self._last_saved)
+            return save_errors.save_failed(final, cause, needed, free, kept)
+
+        if failure is not None:
+            raise failed(OSError(*failure)) from None
+        partial = Path(partial_name)
         writer = CheckedWriter(str(partial), thread_count=self.threads, sync_files=self.fsync)
         try:
             dcp.save(entries, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)
-        except CheckpointException as e:
-            _rethrow(e)
+        except CheckpointException as e:  # raised on every rank, once every rank's writing has ended
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            C.barrier(self.group)  # every rank raises once the partial is gone
+            raise failed(e) from None
+        outcome = None
         if self.rank == 0:
-            atomic.write_file(partial / atomic.META_FILE, meta_bytes, self.fsync)
-            atomic.commit(partial, final, self.fsync)
-            self._run_deferred()
-        C.barrier(self.group)
+            try:
+                atomic.write_file(partial / atomic.META_FILE, meta_bytes, self.fsync)
+                atomic.commit(partial, final, self.fsync)
+            except OSError as e:
+                shutil.rmtree(partial, ignore_errors=True)
+                outcome = (e.errno or 5, e.strerror or str(e))
+            else:
+                self._run_deferred()
+        outcome = C.broadcast_object(outcome, 0, self.group)  # also the barrier: the checkpoint is in place
+        if outcome is not None:
+            raise failed(OSError(*outcome)) from None  # type: ignore[misc]
+        self._last_saved = final
         if self.rank == 0:
             log.info("saved sharded checkpoint %s (%.2f GB from this rank) in %.2f s", final,
                      _nbytes(entries) / 1e9, time.perf_counter() - t0)
+
+    @staticmethod
+    def _open_partial(final: Path) -> tuple[Optional[str], Optional[int], Optional[tuple[int, str]]]:
+        """Rank 0: a fresh partial directory next to ``final`` (stale ones removed); its name, the bytes
+        free before the save, and the (errno, message) of a failure to create it."""
+        partial = atomic.new_partial_name(final)
+        free = None
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            atomic.remove_stale_partials(final.parent, keep=partial)
+            free = save_errors.free_bytes(final.parent)
+            partial.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return None, free, (e.errno or 5, e.strerror or str(e))
+        return str(partial), free, None
 
     def reserve(self, nbytes: int, pin: bool) -> None:
         """Async saves: allocate the host staging buffer in the background now (the first save would

@@ -14,6 +14,7 @@ The mixin expects the strategy's ``config``, ``dims``, ``_engines``, ``_pipeline
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_zero.checkpoint import atomic, tp_full
+from lightning_zero.checkpoint import atomic, save_errors, tp_full
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.experts import ExpertNames, refuse_full_format
 from lightning_zero.checkpoint.sharded import (
@@ -168,12 +169,46 @@ class CheckpointMixin:
         if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
             if storage_options is None and atomic.Path(filepath).is_dir():
                 raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[attr-defined]
+            self._refuse_nonfinite_full(checkpoint, filepath)
+            self._write_full(checkpoint, filepath, storage_options)
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
         self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, self._sharded_info(checkpoint))
+
+    def _write_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+        """Rank 0 writes a full checkpoint file through the CheckpointIO; a local path goes through a hidden
+        file renamed into place, so a failed write (a full disk) leaves the previous file as it was. The
+        outcome is shared: every rank raises the same one-line error (save_errors.py)."""
+        local = "://" not in str(filepath) and storage_options is None
+        final = Path(filepath)
+        outcome = None
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            target = atomic.new_partial_name(final) if local else filepath
+            free = save_errors.free_bytes(final.parent) if local else None
+            try:
+                self.checkpoint_io.save_checkpoint(checkpoint, target, storage_options=storage_options)  # type: ignore[attr-defined]
+                if local:
+                    os.replace(target, final)
+            except OSError as e:
+                if local:
+                    Path(target).unlink(missing_ok=True)
+                outcome = (e.errno or 5, e.strerror or str(e), free)
+        outcome = C.broadcast_object(outcome, 0, self.checkpointer.group)
+        if outcome is not None:
+            needed = sum(t.numel() * t.element_size() for t in save_errors.tensors_of(checkpoint).values())
+            kept = save_errors.previous_checkpoint(final, None) if local else None
+            raise save_errors.save_failed(final, OSError(outcome[0], outcome[1]), needed, outcome[2], kept) from None  # type: ignore[index]
+
+    def _refuse_nonfinite_full(self, checkpoint: Mapping[str, Any], filepath: Any) -> None:
+        """Collective: a full checkpoint whose weights or optimizer states hold NaN or inf is refused on
+        every rank, before rank 0 writes (save_errors.py)."""
+        kept = {k: checkpoint.get(k) for k in ("state_dict", "optimizer_states", "model", "optimizer")}
+        found = save_errors.first_nonfinite(save_errors.tensors_of({k: v for k, v in kept.items() if v is not None}))
+        findings = C.all_gather_object(found, self.checkpointer.group)
+        if any(f is not None for f in findings):
+            final = Path(filepath)
+            save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, None))
 
     def _sharded_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """What ``meta.pt`` says about the run that wrote a sharded checkpoint."""

@@ -14,6 +14,7 @@ VALID_STAGES = (0, 1, 2, 3)
 VALID_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 VALID_OFFLOAD = ("none", "cpu", "nvme")
 VALID_CHECKPOINT_FORMATS = ("sharded", "full")
+VALID_NONFINITE = ("skip", "error", "ignore")
 COMPILE_ARGS = frozenset({"backend", "mode", "fullgraph", "dynamic", "options", "disable"})
 """Keyword arguments of ``torch.compile`` that ``compile_options`` may set."""
 
@@ -121,8 +122,25 @@ class ZeroConfig:
     """'cpu' optimizer offload: run the CPU Adam step range by range while backward still runs, as each
     bucket's reduced gradient lands in host memory. Same results as stepping after backward; used only
     for steps that need no global view of the gradients first (no clipping, no fp16 loss scaling, no
-    gradient accumulation, Adam/AdamW; see lightning_zero/offload/eager.py), otherwise the step runs
-    after backward as usual. False: always after backward."""
+    gradient accumulation, ``nonfinite='ignore'``, Adam/AdamW; see lightning_zero/offload/eager.py),
+    otherwise the step runs after backward as usual. False: always after backward."""
+
+    nonfinite: str = "skip"
+    """What a step whose global gradient norm is NaN or infinite does, at every stage and precision
+    (lightning_zero/zero/engine.py [Note: non-finite steps]). 'skip': the step is skipped on every rank
+    (weights and optimizer state untouched, the gradients dropped), one warning names the step and the
+    first parameter group holding a non-finite gradient, ``train/skipped_steps`` counts it, and
+    ``max_nonfinite_steps`` skips in a row stop the run with an error. 'error': the first one stops the
+    run. 'ignore': the optimizer steps anyway (torch's and ddp's behaviour: NaN weights from then on).
+    fp16 (``16-mixed``): an overflow the loss scale can still absorb is skipped as always (the scale is
+    lowered); this setting judges overflows at the minimum scale. The check reads the norm the step
+    computes anyway: one host synchronisation per step (fp16 and gradient clipping read it already), and
+    with CPU optimizer offload 'skip' and 'error' turn off ``offload_step_in_backward`` (an update made
+    during backward cannot be taken back); 'ignore' restores both."""
+
+    max_nonfinite_steps: int = 8
+    """With ``nonfinite='skip'``: this many non-finite steps in a row stop the run (a diverged run, or
+    NaN in the data, would otherwise skip forever)."""
 
     checkpoint_format: str = "sharded"
     """How Lightning's checkpoints are written. 'sharded': a directory at the checkpoint's path, written
@@ -262,6 +280,11 @@ class ZeroConfig:
             raise ValueError(f"checkpoint_threads must be an integer >= 1, got {self.checkpoint_threads!r}.")
         if self.checkpoint_async and self.checkpoint_format != "sharded":
             raise ValueError("checkpoint_async=True needs checkpoint_format='sharded'.")
+        if self.nonfinite not in VALID_NONFINITE:
+            raise ValueError(f"nonfinite must be one of {list(VALID_NONFINITE)}, got {self.nonfinite!r}.")
+        m = self.max_nonfinite_steps
+        if isinstance(m, bool) or not (isinstance(m, int) and m >= 1):
+            raise ValueError(f"max_nonfinite_steps must be an integer >= 1, got {m!r}.")
         if self.start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"start_method must be one of ['popen', 'spawn', 'fork', 'forkserver'], got {self.start_method!r}."

@@ -72,8 +72,10 @@ class FabricCheckpointMixin:
             if storage_options is None and atomic.Path(path).is_dir():
                 raise IsADirectoryError(f"{path} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})  # type: ignore[attr-defined]
-            if self.is_global_zero:  # type: ignore[attr-defined]
-                self.checkpoint_io.save_checkpoint(converted, path, storage_options=storage_options)  # type: ignore[attr-defined]
+            module_key, opt_keys = self._roles(state)
+            self._refuse_nonfinite_full(  # type: ignore[attr-defined]
+                {"model": converted.get(module_key), "optimizer": [converted[k] for k in opt_keys]}, path)
+            self._write_full(converted, path, storage_options)  # type: ignore[attr-defined]
             return
         module_key, opt_keys = self._roles(state)
         if filter and any(k in filter for k in [module_key, *opt_keys] if k is not None):

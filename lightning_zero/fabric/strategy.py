@@ -285,10 +285,11 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
         scaler = self.precision.scaler
         scale = scaler.scale if scaler is not None else 1.0
         norm = engine.global_grad_norm_sq(engine._master_grads()).sqrt() / scale
-        if error_if_nonfinite and scaler is None and not math.isfinite(float(norm)):
+        # under nonfinite='skip' the next optimizer.step() skips such a step (zero/engine.py [Note: non-finite steps])
+        if error_if_nonfinite and scaler is None and self.config.nonfinite != "skip" and not math.isfinite(float(norm)):
             raise RuntimeError(
                 f"The total norm of the gradients is non-finite ({float(norm)}), so it cannot be clipped. "
-                "Set error_if_nonfinite=False to step anyway."
+                "Set error_if_nonfinite=False to step anyway, or ZeroFabricStrategy(nonfinite='skip') to skip the step."
             )
         self._clip[id(engine)] = float(max_norm)
         return norm

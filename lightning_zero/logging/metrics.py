@@ -148,9 +148,9 @@ class ZeroMetrics(Callback):
     """Log training-health and performance metrics every ``log_every_n_steps`` optimizer steps.
 
     Keys: ``train/lr`` (first param group), ``train/grad_norm`` (global, before clipping, unscaled),
-    ``train/loss_scale`` (16-mixed), ``train/skipped_steps`` (fp16 overflows), ``perf/tokens_per_s``
-    (all data-parallel replicas together), ``perf/step_time_s``, ``perf/peak_memory_gib`` (CUDA max
-    allocated) or ``perf/peak_rss_gib`` (CPU), and on CUDA ``perf/tflops_per_device`` and ``perf/mfu``.
+    ``train/loss_scale`` (16-mixed), ``train/skipped_steps`` (fp16 overflows and non-finite steps),
+    ``perf/tokens_per_s`` (all data-parallel replicas together), ``perf/step_time_s``,
+    ``perf/peak_memory_gib`` (CUDA max allocated) or ``perf/peak_rss_gib`` (CPU), and on CUDA ``perf/tflops_per_device`` and ``perf/mfu``.
     Pipeline runs (``strategy.pipeline_bubble``): ``pipeline/bubble_theoretical`` ((P-1)/(M+P-1)),
     ``pipeline/bubble_measured`` (idle fraction of the average stage) and
     ``pipeline/bubble_measured_stage`` (the logging rank's stage, i.e. the first). Optimizers with

@@ -11,11 +11,13 @@ computes the gradients of the layers before it.
 That is only the same step when nothing needs *all* the gradients first. The strategy therefore asks
 for it (``OffloadMixin.step_in_backward``) only when the step's coefficient is known to be 1 before
 backward: no gradient clipping (it needs the global norm), no fp16 loss scaling (it may skip the step
-on overflow), no gradient accumulation (the step sees one micro-batch), automatic optimisation with
-Lightning's own ``optimizer_step`` and ``configure_gradient_clipping``, an Adam-family optimizer
-(hyper-parameters and learning rate are read when backward reaches the first bucket: the scheduler
-steps after the optimizer, so that is this step's rate), and neither the delayed update (which
-overlaps the step with the next step already) nor NVMe optimizer states (whose chunk pipeline runs
+on overflow), ``nonfinite='ignore'`` (skipping or stopping at a non-finite step needs the global
+norm before the update: zero/engine.py [Note: non-finite steps]), no gradient accumulation (the step
+sees one micro-batch), automatic optimisation with Lightning's own ``optimizer_step`` and
+``configure_gradient_clipping``, an Adam-family optimizer (hyper-parameters and learning rate are
+read when backward reaches the first bucket: the scheduler steps after the optimizer, so that is
+this step's rate), and neither the delayed update (which overlaps the step with the next step
+already) nor NVMe optimizer states (whose chunk pipeline runs
 the step itself). Results are bitwise those of the synchronous step (tests compare the two), and the
 update is committed when the step is reached: a run that skips the step *after* backward (an
 exception between backward and step) still has the updated masters, which are then uploaded.

@@ -10,8 +10,9 @@ What happens, in order, for one optimizer step (stage files override only the ma
 3. ``post_backward`` (called by the strategy after every backward): buckets still waiting (their
    parameters got no gradient this time) are launched in order with zeros for the missing
    parameters, and every collective is awaited and finalised (``_finalize``, per stage).
-4. ``step``: global gradient norm, overflow check, unscale and clip in one multiply, the user's
-   optimizer steps the master, updated parameters are written back (``_write_back``, per stage).
+4. ``step``: global gradient norm, non-finite check ([Note: non-finite steps]), unscale and clip in
+   one multiply, the user's optimizer steps the master, updated parameters are written back
+   (``_write_back``, per stage).
 
 [Note: launch in bucket order]
 Collectives must be issued in the same order on every rank. Hooks fire in an order that depends
@@ -111,6 +112,9 @@ class ZeroEngine:
         self.norm_groups = list(norm_groups)
         self.param_names = param_names or {}
         self._grad_norm: Optional[Tensor | float] = None
+        self.nonfinite_where: Optional[tuple[int, str]] = None
+        """After a step skipped for a non-finite norm: (param group, name) of this rank's first
+        non-finite gradient, None when this rank's are finite ([Note: non-finite steps])."""
         self.require_sync = True
         self.reduce_gradients = True
         """False while a compressed optimizer averages momentum itself: gradients stay local (stage 0
@@ -388,16 +392,32 @@ class ZeroEngine:
     def grad_norm(self, value: Optional[float]) -> None:
         self._grad_norm = value
 
-    def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None) -> bool:
-        """Unscale, clip by the global norm, step the master shard, write back. False when skipped."""
+    # [Note: non-finite steps]
+    # A NaN or infinite gradient anywhere makes the global norm non-finite on every rank alike (it is
+    # all-reduced), so the norm the step computes anyway is the check: no extra pass, no collective.
+    # Deciding needs its value on the host before the optimizer runs, the one synchronisation fp16's
+    # overflow check (and clipping) already made; ``check_finite`` asks for it at every precision.
+    # A skipped step touches nothing: the optimizer is not called (no moment update, no step count,
+    # no weight decay), the masters and 16-bit weights are not written, the gradients are dropped. Only
+    # then, on that rare path, is the first non-finite gradient looked for (``nonfinite_where``, this
+    # rank's shard only: core.py gathers the ranks' findings to name it). The policy (skip, error,
+    # ignore; how many skips in a row) is the strategy's: core.py ``_step_engine``.
+    def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None,
+             check_finite: bool = False) -> bool:
+        """Unscale, clip by the global norm, step the master shard, write back. False when skipped: an
+        fp16 overflow, or with ``check_finite`` any non-finite norm ([Note: non-finite steps])."""
         self.check_param_groups()
         grads = self._master_grads()
         scale = scaler.scale if scaler is not None else 1.0
         self._grad_norm = self.global_grad_norm_sq(grads).sqrt() / scale  # [Note: the norm is read lazily]
-        if scaler is not None:
-            overflow = not math.isfinite(self.grad_norm)  # type: ignore[arg-type]
-            scaler.update(overflow)
-            if overflow:
+        self.nonfinite_where = None
+        if scaler is not None or check_finite:
+            finite = math.isfinite(self.grad_norm)  # type: ignore[arg-type]
+            if scaler is not None:
+                scaler.update(not finite)
+            if not finite:
+                if check_finite:
+                    self.nonfinite_where = self._first_nonfinite(grads)
                 self._zero_grads()
                 return False
         coef = 1.0 / scale
@@ -407,6 +427,23 @@ class ZeroEngine:
         self._write_back()
         self._zero_grads()
         return True
+
+    def _first_nonfinite(self, grads: Sequence[Tensor]) -> Optional[tuple[int, str]]:
+        """(optimizer param group, parameter name) of the first non-finite gradient in this rank's
+        gradients (shards above stage 0), or None: all finite here. Reads each suspect on the host:
+        called only after a non-finite norm."""
+        for gi, g in enumerate(grads):
+            if not g.numel() or bool(torch.isfinite(torch.linalg.vector_norm(g, ord=math.inf))):
+                continue
+            fg = self.groups[gi]
+            shard = fg.shard if fg.layout.num_shards > 1 else 0
+            for index, _, start, length in sorted(fg.layout.param_pieces_in_shard(shard), key=lambda t: t[2]):
+                piece = g[start : min(start + length, g.numel())]
+                if piece.numel() and not bool(torch.isfinite(torch.linalg.vector_norm(piece, ord=math.inf))):
+                    param = fg.params[index]
+                    return self.pg_of[gi], self.param_names.get(id(param), f"parameter {index}")
+            return self.pg_of[gi], "?"
+        return None
 
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
         """Scale the gradients by ``coef`` (unscale and clip) and step the masters (offload: on the CPU)."""

@@ -140,6 +140,7 @@ def make_trainer(
         strategy = lightning_zero.ZeroStrategy(
             stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3,
             checkpoint_format=opts.get("ckpt", "sharded"), **offload_kwargs(opts),
+            **({"nonfinite": opts["nonfinite"]} if "nonfinite" in opts else {}),
         )
         if zp is None:
             plugin_kwargs = {"precision": precision}

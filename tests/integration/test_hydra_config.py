@@ -14,7 +14,7 @@ from typing import Any, Iterator, Optional
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.errors import ConfigCompositionException, InstantiationException, MissingConfigException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -151,6 +151,12 @@ def test_instantiate_strategies(hydra_ctx: None) -> None:
         assert isinstance(strategy, lz.ZeroStrategy) and strategy.config.stage == stage
     tuned = instantiate(_compose("strategy.bucket_size_mb=8").strategy, _convert_="all")
     assert tuned.config.bucket_size_mb == 8
+    guarded = instantiate(_compose("strategy=zero3", "strategy.nonfinite=error", "strategy.max_nonfinite_steps=3").strategy,
+                          _convert_="all")
+    assert (guarded.config.nonfinite, guarded.config.max_nonfinite_steps) == ("error", 3)
+    assert tuned.config.nonfinite == "skip" and tuned.config.max_nonfinite_steps == 8  # ZeroConfig's defaults
+    with pytest.raises(InstantiationException, match=r"nonfinite must be one of \['skip', 'error', 'ignore'\]"):
+        instantiate(_compose("strategy.nonfinite=warn").strategy, _convert_="all")
     assert isinstance(instantiate(_compose("strategy=ddp").strategy, _convert_="all"), DDPStrategy)
 
 

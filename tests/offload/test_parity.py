@@ -24,9 +24,9 @@ PARITY = {
     "zero3_nvme_half_in_memory": "zero3:oopt=nvme,oparams=cpu,nvme=1,chunk_mb=0.004,frac=0.5",
     "zero3_dpu_in_warmup": "zero3:oopt=cpu,oparams=cpu,dpu=1000",  # delayed update never starts: exact
 }
-STEP_IN_BACKWARD = {  # no clipping, one micro-batch per step: the CPU step runs during backward
-    "zero2_offload_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1",
-    "zero3_offload_step_in_backward": "zero3:oopt=cpu,oparams=cpu,clip=0,accumulate=1",
+STEP_IN_BACKWARD = {  # no clipping, one micro-batch per step, nonfinite='ignore': the CPU step runs during backward
+    "zero2_offload_step_in_backward": "zero2:oopt=cpu,clip=0,accumulate=1,nonfinite=ignore",
+    "zero3_offload_step_in_backward": "zero3:oopt=cpu,oparams=cpu,clip=0,accumulate=1,nonfinite=ignore",
 }
 PARTIAL = {  # offload_ratio: the leading share of each partition on the host, the rest on the "device"
     "zero1_ratio0": "zero1:oopt=cpu,ratio=0",

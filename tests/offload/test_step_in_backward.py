@@ -18,7 +18,8 @@ def masters(t: Any) -> list[torch.Tensor]:
 
 
 def both_ways(accelerator: str = "cpu", **kwargs: Any) -> dict[bool, tuple[Any, Any]]:
-    return {eager: fit(steps=6, clip=None, accelerator=accelerator, offload_step_in_backward=eager, **kwargs)
+    return {eager: fit(steps=6, clip=None, accelerator=accelerator, offload_step_in_backward=eager, nonfinite="ignore",
+                       **kwargs)
             for eager in (True, False)}
 
 
@@ -40,9 +41,12 @@ def test_step_in_backward_equals_the_step_after_backward(stage: int, offload: di
         assert p_on.dtype == p_off.dtype
 
 
-@pytest.mark.parametrize("case", ["clip", "accumulate", "fp16", "sgd", "delayed", "nvme"])
+@pytest.mark.parametrize("case", ["clip", "accumulate", "fp16", "sgd", "delayed", "nvme", "nonfinite_skip"])
 def test_steps_after_backward_when_the_step_needs_every_gradient(case: str, tmp_path) -> None:
+    """``nonfinite_skip``: the default nonfinite='skip' decides after backward whether the step runs."""
     kwargs: dict[str, Any] = dict(stage=2, offload_optimizer="cpu", steps=4)
+    if case != "nonfinite_skip":
+        kwargs["nonfinite"] = "ignore"
     if case == "clip":
         kwargs["clip"] = 0.5
     else:
