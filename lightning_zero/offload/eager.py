@@ -130,7 +130,8 @@ class StepInBackwardMixin:
             out = self._upload_buffer(gi, self._up)
             assert hyper is not None and (out is None or out.dtype != torch.float32 or self._compact is not None), \
                 "see _eager_possible"
-            ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
+            whole = self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads)
+            ranges.append(self._lagging_ranges(gi, out, hyper, threads) or whole)  # masked.py
 
         def update(gi: int, lo: int, hi: int) -> None:
             ranges[gi](lo, hi)
@@ -150,8 +151,7 @@ class StepInBackwardMixin:
                 f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
                 "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
             )
-        for gi, lo, hi in uncovered(self._splits, eager.covered):
-            eager.run_now(gi, lo, hi)
+        self._run_uncovered(eager, uncovered(self._splits, eager.covered))  # masked.py
         self._upload_from = self._up
         for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
             for bi, b in enumerate(fg.layout.buckets):
