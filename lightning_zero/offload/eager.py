@@ -20,6 +20,9 @@ the step itself). Results are bitwise those of the synchronous step (tests compa
 update is committed when the step is reached: a run that skips the step *after* backward (an
 exception between backward and step) still has the updated masters, which are then uploaded.
 
+A bucket holding a parameter that got no gradient on this rank is left to the step, which knows whether
+any rank used it (offload/masked.py, zero/unused.py [Note: parameters unused on every rank]).
+
 Ranges run on one worker thread in the order their gradients landed (on CUDA each waits for its
 device-to-host copy's event); the compiled op releases the GIL and uses all but one core, leaving
 one to the thread driving backward.

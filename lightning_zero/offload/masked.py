@@ -6,11 +6,13 @@ The step after backward (synchronous or delayed) does this from the step's plan,
 states (host memory, NVMe chunks, bf16 compact states; the device share of partial offload steps its
 pieces the same way, device_share.py). The step during backward (eager.py) steps only buckets whose
 parameters all got a gradient on this rank (piece by piece once counts differ) and leaves the others
-to the step, which knows the plan. int8 compact states step aligned blocks only, and stop with one line.
+to the step, which knows the plan. int8 compact states step whole blocks (``_masked_int8`` says how,
+and warns).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,6 +20,8 @@ from torch import Tensor
 
 from lightning_zero.offload.cpu import AdamHyper, adam_hyper, adam_update
 from lightning_zero.zero.unused import GroupPlan, planned_masters, set_group_steps
+
+log = logging.getLogger(__name__)
 
 
 class MaskedStepMixin:
@@ -32,11 +36,6 @@ class MaskedStepMixin:
                     hyper: AdamHyper, scale: float, threads: int) -> None:
         """Adam on ``[lo, hi)`` of group ``gi``'s host shard with step count ``count``, writing ``out``."""
         if self._compact is not None:  # type: ignore[attr-defined]
-            if self._compact_aligned:  # type: ignore[attr-defined]
-                raise RuntimeError(
-                    "A parameter got no gradient on any rank in this step, and offload_state_precision='int8' steps "
-                    "whole blocks, so it would be stepped with a zero gradient (unlike torch's optimizers): use every "
-                    "parameter in every step, or offload_state_precision='bf16' or 'fp32'.")
             self._compact_range(gi, grad, out, hyper, scale, threads, count)(lo, hi)  # type: ignore[attr-defined]
             return
         from lightning_zero.offload.engine import STEP_CHUNK  # engine.py imports this module
@@ -110,12 +109,50 @@ class MaskedStepMixin:
                         o16[a:b].copy_(m[a:b])
 
             store.adam_step(gi, grad, out, update, limit=n)
+        elif self._compact_aligned:  # type: ignore[attr-defined]
+            self._masked_int8(gi, grad, out, hyper, scale, threads, ranges, kept, n)
         else:
             for a, b, c in ranges:
                 self._step_piece(gi, grad, out, a, b, c, hyper, scale, threads)
             for a, b in kept:
                 self._keep_piece(gi, out, a, b)
         self._set_step(gi, plan)
+
+    def _masked_int8(self, gi: int, grad: Tensor, out: Optional[Tensor], hyper: AdamHyper, scale: float,
+                     threads: int, ranges: list[tuple[int, int, int]], kept: list[tuple[int, int]], n: int) -> None:
+        """int8 states share a scale per block of INT8_BLOCK elements and are stepped in whole blocks: blocks
+        holding only unused pieces are kept exactly; a block holding any used piece is stepped, with its
+        first used piece's count, unused elements included (warned once: the approximation int8 states make)."""
+        from lightning_zero.optim.host_states import INT8_BLOCK
+
+        count_of: dict[int, int] = {}
+        partial = False
+        for a, b, c in ranges:
+            for blk in range(a // INT8_BLOCK, (b - 1) // INT8_BLOCK + 1):
+                partial |= blk in count_of and count_of[blk] != c
+                count_of.setdefault(blk, c)
+        for a, b in kept:
+            partial |= any(blk in count_of for blk in range(a // INT8_BLOCK, (b - 1) // INT8_BLOCK + 1))
+        blocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
+        runs: list[tuple[int, int, Optional[int]]] = []  # (first block, end block, count or None: kept)
+        for blk in range(blocks):
+            c = count_of.get(blk)
+            if runs and runs[-1][2] == c and runs[-1][1] == blk:
+                runs[-1] = (runs[-1][0], blk + 1, c)
+            else:
+                runs.append((blk, blk + 1, c))
+        for first, end, c in runs:
+            lo, hi = first * INT8_BLOCK, min(n, end * INT8_BLOCK)
+            if c is not None:
+                self._compact_range(gi, grad, out, hyper, scale, threads, c)(lo, hi)  # type: ignore[attr-defined]
+            else:
+                self._keep_piece(gi, out, lo, hi)
+        if partial and not getattr(self, "_warned_int8_mask", False):
+            self._warned_int8_mask = True
+            log.warning("lightning_zero: offload_state_precision='int8' steps whole blocks of %d elements: elements "
+                        "of parameters unused on every rank that share a block with used ones are stepped with a zero "
+                        "gradient (and pieces with different step counts share one); use 'bf16_sr' or 'fp32' states "
+                        "for torch's exact behaviour.", INT8_BLOCK)
 
     # ---------------------------------------------------------------- the step during backward
     def _run_uncovered(self, eager: Any, ranges: list[tuple[int, int, int]]) -> None:

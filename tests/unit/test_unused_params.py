@@ -74,4 +74,4 @@ def test_optimizers_leave_unused_parameters_as_torch_does(name: str, stage: int)
 
 def test_onebit_refuses_unused_parameters_with_one_line() -> None:
     with pytest.raises(RuntimeError, match="OneBitAdam cannot leave parameters unused on every rank unstepped"):
-        _fit(lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2), ZeroStrategy(stage=1))
+        _fit(lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2), ZeroStrategy(stage=0))
