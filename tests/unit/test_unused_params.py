@@ -72,6 +72,22 @@ def test_optimizers_leave_unused_parameters_as_torch_does(name: str, stage: int)
         torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("offload", ["eager", "after_backward", "partial", "nvme"])
+def test_offload_steps_leave_unused_parameters_as_torch_does(offload: str, tmp_path) -> None:
+    """The CPU Adam paths under a masked step (offload/masked.py): during backward (piece by piece once counts
+    differ), after backward, with a device share (offload_ratio < 1) and with NVMe states."""
+    kwargs = {"eager": {}, "after_backward": dict(offload_step_in_backward=False), "partial": dict(offload_ratio=0.5),
+              "nvme": dict(offload_optimizer="nvme", nvme_path=str(tmp_path))}[offload]
+    make = lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1)  # noqa: E731
+    ref_losses, ref = _fit(make, "auto")
+    strategy = ZeroStrategy(stage=2, **{"offload_optimizer": "cpu", **kwargs})
+    losses, got = _fit(make, strategy)
+    assert (strategy.engines[0].eager_steps == 5) == (offload in ("eager", "partial"))
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-7)
+    for k, w in ref.items():
+        torch.testing.assert_close(got[k], w, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_onebit_refuses_unused_parameters_with_one_line() -> None:
     with pytest.raises(RuntimeError, match="OneBitAdam cannot leave parameters unused on every rank unstepped"):
         _fit(lambda p: OneBitAdam(p, lr=1e-3, freeze_step=2), ZeroStrategy(stage=0))
