@@ -156,10 +156,11 @@ def odd_runs(out: str) -> None:
                 eager = getattr(trainer.strategy.engines[0], "eager_steps", None) if kind != "ddp" else None
                 torch.save({"losses": model.losses, "unchanged": model.unchanged, "eager_steps": eager},
                            os.path.join(out, f"odd{wd}_{kind}.pt"))
-    for kind in ("ddp", "zero2"):  # accumulation: the block used in one micro-batch of each step counts as used
-        pl.seed_everything(0)
+    for kind in ("ddp", "zero1", "zero2"):  # accumulation: a block used in one micro-batch of the step is used
+        pl.seed_everything(0)  # (zero1 reduces only the last micro-batch, zero2 every one)
         model = OddSkipNet(0.1, accumulate=True)
-        strategy = DDPStrategy(find_unused_parameters=True) if kind == "ddp" else lightning_zero.ZeroStrategy(stage=2)
+        strategy = (DDPStrategy(find_unused_parameters=True) if kind == "ddp" else
+                    lightning_zero.ZeroStrategy(stage=int(kind[-1])))
         if fit(model, strategy, 4, accumulate=2).global_rank == 0:
             torch.save({"losses": model.losses, "unchanged": model.unchanged}, os.path.join(out, f"acc_{kind}.pt"))
 

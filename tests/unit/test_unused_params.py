@@ -61,7 +61,7 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 3])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optimizers_leave_unused_parameters_as_torch_does(name: str, stage: int) -> None:
     ref_losses, ref = _fit(OPTIMIZERS[name], "auto")
