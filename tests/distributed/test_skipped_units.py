@@ -38,7 +38,7 @@ def test_a_unit_skipped_on_one_rank_trains_like_ddp(runs: dict[str, dict], skip:
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "zero3_offload", "zero3_offload_skip"])
 @pytest.mark.parametrize("wd", [0.1, 0.0])
 def test_parameters_unused_on_every_rank_are_not_stepped(runs: dict[str, dict], kind: str, wd: float) -> None:
     """A block and a side layer skipped by every rank on odd steps (and a block on one rank only): AdamW with
