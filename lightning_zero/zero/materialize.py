@@ -4,6 +4,7 @@ Inside ``ZeroStrategy.model_sharded_context`` (Lightning enters it around ``conf
 every parameter registered on a module is replaced by a meta-device copy as soon as it is created,
 so building a model costs at most one parameter's memory, whatever its total size. Buffers stay
 real (they are small, and values computed in ``__init__`` such as masks would otherwise be lost).
+A parameter that replaces one holding values stays real: see [Note: the user's weights are kept].
 
 The engine then materialises the model unit by unit (:func:`materialize_unit`): each meta parameter
 is swapped in place for an empty real one (``torch.utils.swap_tensors`` keeps the Python object, so
@@ -29,11 +30,32 @@ _INIT_VALUE = "_lightning_zero_init_value"
 
 
 @contextmanager
-def params_on_meta() -> Generator[None, None, None]:
-    """Register parameters on the meta device while the block runs."""
+def params_on_meta(existing: Optional[nn.Module] = None) -> Generator[None, None, None]:
+    """Register parameters on the meta device while the block runs, except those replacing a parameter
+    that holds values and the parameters of ``existing`` (the LightningModule, whose ``__init__`` may
+    have built or loaded weights) registered again ([Note: the user's weights are kept]).
+
+    [Note: the user's weights are kept]
+    Lightning's ModelParallelStrategy pattern builds (or loads) the weights in ``__init__`` and only
+    parallelizes them in ``configure_model``, which runs inside this context. ``parallelize_module``
+    re-registers every split weight as a new DTensor parameter (``register_parameter(name,
+    Parameter(distribute_tensor(old)))``), and so does any ``module.weight = Parameter(f(module.weight))``
+    rewrite or a tie to a weight that exists (``head.weight = embed.weight``). Sending those to the meta
+    device lost the values: the materialiser then ran ``reset_parameters()``, so stage 3 x TP trained
+    from fresh random weights (first loss 4.986 instead of 5.049, 2026-11). The hook runs before the registration, so the slot still holds
+    the old parameter: a new one replacing a real one keeps its values (and its memory: the user
+    already paid for the full model in ``__init__``), as does a parameter that existed before the
+    context (``existing``'s) registered in another slot. Only parameters created inside the context (a
+    model built in ``configure_model``), or replacing meta ones, go to meta: initialising those is ours.
+    """
+    # held (not only their ids) so that no new object made inside the block can take one of their ids
+    before = {id(p): p for _, p in existing.named_parameters(remove_duplicate=False)} if existing is not None else {}
 
     def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
         if param is None or param.is_meta:
+            return None
+        old = module._parameters.get(name)
+        if (old is not None and not old.is_meta) or id(param) in before:  # the user's values (parallelize_module)
             return None
         meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         if not callable(getattr(module, "reset_parameters", None)):

@@ -66,3 +66,25 @@ def test_a_parameter_nothing_initialises_is_refused_by_name() -> None:
 
     with pytest.raises(UninitializedParameterError, match=r"Custom\.gate"):
         materialize_modules([Custom()], torch.device("cpu"))
+
+
+def test_weights_built_before_the_context_keep_their_values() -> None:
+    """[Note: the user's weights are kept]: a parameter replacing a real one (parallelize_module's
+    re-registration, a rewrite) and an existing parameter registered in another slot (a tie) stay real
+    with their values; a module built inside the context still goes to meta, as does a parameter that
+    replaces a meta one."""
+    torch.manual_seed(0)
+    owner = nn.Module()
+    owner.a, owner.b = Block(), Block()
+    before = {n: p.detach().clone() for n, p in owner.named_parameters()}
+    with params_on_meta(owner):
+        owner.a.lin.weight = nn.Parameter(owner.a.lin.weight.detach() * 1.0)  # a new object, the same values
+        owner.b.lin.weight = owner.a.norm.weight  # a tie to a weight that exists, into a slot that held one
+        del owner.b.lin.bias
+        owner.b.lin.bias = owner.a.lin.bias  # an existing parameter in an empty slot
+        owner.c = Block()  # built inside: ours to initialise
+        owner.c.lin.weight = nn.Parameter(torch.zeros(8, 8))  # replaces a meta one
+    assert torch.equal(owner.a.lin.weight, before["a.lin.weight"])
+    assert owner.b.lin.weight is owner.a.norm.weight and owner.b.lin.bias is owner.a.lin.bias
+    assert not any(p.is_meta for p in (*owner.a.parameters(), *owner.b.parameters()))
+    assert all(p.is_meta for p in owner.c.parameters())
