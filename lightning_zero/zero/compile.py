@@ -38,10 +38,13 @@ between units), so that what the user compiled is compiled, piece by piece (dyna
 show it: ``calls_captured`` as under ddp's whole-network compile for a network whose units differ,
 fewer where identical units share one graph). Only code written directly in a ``forward`` that calls
 units (a residual add in the block loop, a ``F.linear`` with a tied weight) runs eagerly: dynamo would
-meet the units' disabled hooks there. Units the user compiled one by one (``block.compile(...)``,
-``torch.compile(block)``) are left as they are: their hooks are already outside. ``ZeroConfig.compile=True`` compiles every unit that is not compiled yet, under any stage
-(below stage 3 the units are the repeated blocks units.py's default policy, or ``unit_policy``,
-finds; a model without any: its top-level children).
+meet the units' disabled hooks there. A part runs compiled only when it is called while that
+module's forward runs (:class:`_Inside`), as it would under the user's compile: a metric or a loss
+module held by a compiled LightningModule and called from ``training_step`` stays eager. Units the
+user compiled one by one (``block.compile(...)``, ``torch.compile(block)``) are left as they are:
+their hooks are already outside. ``ZeroConfig.compile=True`` compiles every unit that is not
+compiled yet, under any stage (below stage 3 the units are the repeated blocks units.py's default
+policy, or ``unit_policy``, finds; a model without any: its top-level children).
 
 [Note: first batches run eagerly]
 During the first batch of each kind, stage 3 runs under read_watch.py's ``ReadWatch``, a
@@ -122,14 +125,51 @@ def _forward_frame(module: nn.Module) -> Callable[..., Any]:
     return types.FunctionType(code, _call_forward.__globals__, code.co_name)
 
 
-def compile_module(module: nn.Module, compiler: Compiler) -> None:
+class _Inside:
+    """Whether the forward of a module the user compiled whole (now eager) is running: the parts of it
+    outside the units run compiled only then ([Note: the user's compile under stage 3])."""
+
+    ATTR = "_lightning_zero_inside"
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "_Inside":
+        """The tracker of ``module``, its forward hooks installed once (setup runs again for validate)."""
+        inside = module.__dict__.get(cls.ATTR)
+        if inside is None:
+            inside = cls()
+            setattr(module, cls.ATTR, inside)
+            module.register_forward_pre_hook(torch.compiler.disable(inside._enter))
+            module.register_forward_hook(torch.compiler.disable(inside._leave), always_call=True)
+        return inside
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self.depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth -= 1
+
+
+def _dispatch(compiled: Callable[..., Any], eager: Callable[..., Any], inside: _Inside) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return (compiled if inside.depth else eager)(*args, **kwargs)
+
+    return call
+
+
+def compile_module(module: nn.Module, compiler: Compiler, only_inside: Optional[_Inside] = None) -> None:
     """``module.compile()`` with ``compiler``: its forward becomes one compiled frame, its hooks run
     eagerly around it ([Note: hooks outside compiled regions]). A module of torch.nn itself gets its
-    ``forward`` compiled through a frame of ours instead (see the first note)."""
+    ``forward`` compiled through a frame of ours instead (see the first note). ``only_inside``: run
+    compiled only while that tracker's module runs its forward, eagerly elsewhere."""
     if not _torch_builtin(module):
-        module._compiled_call_impl = compiler(module._call_impl)
+        compiled = compiler(module._call_impl)
+        module._compiled_call_impl = compiled if only_inside is None else _dispatch(compiled, module._call_impl, only_inside)
         return
-    module.forward = functools.partial(compiler(_forward_frame(module)), module.forward)  # type: ignore[method-assign]
+    compiled = functools.partial(compiler(_forward_frame(module)), module.forward)
+    module.forward = compiled if only_inside is None else _dispatch(compiled, module.forward, only_inside)  # type: ignore[method-assign]
     setattr(module, _COMPILED_FORWARD, True)
 
 
@@ -213,7 +253,7 @@ def apply_compile(
     plan = CompilePlan()
     compiler: Optional[Compiler] = compiler_from_options(options) if options is not None else None
     targets = compile_targets(model, units)
-    parts: list[tuple[str, nn.Module]] = []
+    parts: list[tuple[str, nn.Module, _Inside]] = []
     if stage3 and units:
         unit_ids = {id(m) for _, m in units}
         inside: dict[int, bool] = {}
@@ -228,7 +268,8 @@ def apply_compile(
                 continue
             ctx = _make_eager(module)
             plan.made_eager.append(name or type(module).__name__)
-            parts += _unit_free_parts(module, name, unit_ids, holds_unit)
+            tracker = _Inside.of(module)
+            parts += [(n, m, tracker) for n, m in _unit_free_parts(module, name, unit_ids, holds_unit)]
             if compiler is None:
                 if ctx is None:
                     log.warning("lightning_zero: could not read the compile options of %s; its ZeRO-3 units are "
@@ -242,10 +283,10 @@ def apply_compile(
             plan.compiled.append(name)
     if plan.made_eager and compiler is not None:  # the rest of what the user compiled, piece by piece
         seen: set[int] = set()
-        for name, module in parts:
+        for name, module, tracker in parts:
             if id(module) not in seen and not is_compiled(module):
                 seen.add(id(module))
-                compile_module(module, compiler)
+                compile_module(module, compiler, only_inside=tracker)
                 plan.compiled_around.append(name)
     if plan.made_eager:
         log.info("lightning_zero: ZeRO-3 compiles units one by one (%d) and the %d parts of %s outside them; the user's "

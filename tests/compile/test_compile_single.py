@@ -118,6 +118,8 @@ def test_units_of_torch_nn_itself_are_compiled_under_stage3() -> None:
                 expected = type(layer).forward(layer, expected)
     torch.testing.assert_close(root["net"](x), expected)
     assert calls[0] == 6
+    net[0][1](x)  # a part called outside the compiled network's forward runs eagerly, as under the user's compile
+    assert calls[0] == 6
     assert "net._orig_mod.0.0.weight" in root.state_dict() and all(is_compiled(m) for _, m in units)
 
 
