@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.units import Unit
 
 _INIT_VALUE = "_lightning_zero_init_value"
@@ -82,6 +83,11 @@ def _modules_of(model: nn.Module, unit: Unit, units: list[Unit]) -> list[nn.Modu
     return [m for m in model.modules() if id(m) not in inside]
 
 
+def _has_storage(p: torch.Tensor) -> bool:
+    """Not a released ZeRO-3 parameter (storage resized to nothing)."""
+    return local_tensor(p).untyped_storage().nbytes() > 0
+
+
 class UninitializedParameterError(RuntimeError):
     """A parameter built on the meta device that nothing initialised when it was materialised."""
 
@@ -101,6 +107,11 @@ def materialize_modules(
     """
     touched = []
     fresh: list[tuple[str, nn.Parameter]] = []
+    # a reset_parameters() below resets every parameter of its module (a parent's, its children's too):
+    # the real ones among them are the user's ([Note: the user's weights are kept]), put back afterwards
+    own = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    held = [(p, p.detach().clone()) for p in own.values() if not p.is_meta and _has_storage(p)] if any(
+        p.is_meta for p in own.values()) else []
     for module in modules:
         mine = False
         for name, p in list(module.named_parameters(recurse=False)):
@@ -124,6 +135,9 @@ def materialize_modules(
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
+        for p, value in held:
+            p.copy_(value)
+        for module in touched:
             if init_hook is not None:
                 init_hook(module)
     unset = [name for name, p in fresh if p.is_floating_point() and bool(torch.isnan(p).any())]

@@ -88,3 +88,16 @@ def test_weights_built_before_the_context_keep_their_values() -> None:
     assert owner.b.lin.weight is owner.a.norm.weight and owner.b.lin.bias is owner.a.lin.bias
     assert not any(p.is_meta for p in (*owner.a.parameters(), *owner.b.parameters()))
     assert all(p.is_meta for p in owner.c.parameters())
+
+
+def test_a_module_that_also_gets_a_new_parameter_keeps_its_real_ones() -> None:
+    """reset_parameters() of a module with one new (meta) parameter would re-initialise its real ones too."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    weight = lin.weight.detach().clone()
+    with params_on_meta(lin):
+        del lin.bias
+        lin.bias = nn.Parameter(torch.zeros(4))  # new, into an empty slot: on meta, reset_parameters sets it
+    assert lin.bias.is_meta and not lin.weight.is_meta
+    materialize_modules([lin], torch.device("cpu"))
+    assert torch.equal(lin.weight, weight) and not bool(torch.isnan(lin.bias).any())
