@@ -166,10 +166,12 @@ def compile_module(module: nn.Module, compiler: Compiler, only_inside: Optional[
     compiled only while that tracker's module runs its forward, eagerly elsewhere."""
     if not _torch_builtin(module):
         compiled = compiler(module._call_impl)
-        module._compiled_call_impl = compiled if only_inside is None else _dispatch(compiled, module._call_impl, only_inside)
+        eager = module._call_impl
+        module._compiled_call_impl = compiled if only_inside is None else _dispatch(compiled, eager, only_inside)
         return
     compiled = functools.partial(compiler(_forward_frame(module)), module.forward)
-    module.forward = compiled if only_inside is None else _dispatch(compiled, module.forward, only_inside)  # type: ignore[method-assign]
+    forward = compiled if only_inside is None else _dispatch(compiled, module.forward, only_inside)
+    module.forward = forward  # type: ignore[method-assign]
     setattr(module, _COMPILED_FORWARD, True)
 
 
@@ -289,9 +291,10 @@ def apply_compile(
                 compile_module(module, compiler, only_inside=tracker)
                 plan.compiled_around.append(name)
     if plan.made_eager:
-        log.info("lightning_zero: ZeRO-3 compiles units one by one (%d) and the %d parts of %s outside them; the user's "
-                 "compile of the whole now calls them eagerly (lightning_zero/zero/compile.py [Note: the user's compile "
-                 "under stage 3])", len(plan.compiled), len(plan.compiled_around), ", ".join(plan.made_eager))
+        log.info("lightning_zero: ZeRO-3 compiles units one by one (%d) and the %d parts of %s outside them; the "
+                 "user's compile of the whole now calls them eagerly (lightning_zero/zero/compile.py [Note: the "
+                 "user's compile under stage 3])",
+                 len(plan.compiled), len(plan.compiled_around), ", ".join(plan.made_eager))
     return plan
 
 

@@ -38,7 +38,9 @@ class MetaLoadError(RuntimeError):
     """``load_state_dict`` (without ``assign=True``) into parameters on the meta device: a silent no-op."""
 
 
-def _refuse_load_into_meta(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: object) -> None:
+def _refuse_load_into_meta(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: object
+) -> None:
     if local_metadata.get("assign_to_params_buffers", False):
         return  # assign=True registers the loaded tensors: kept ([Note: the user's weights are kept])
     lost = [prefix + n for n, p in module.named_parameters(recurse=False) if p.is_meta and prefix + n in state_dict]

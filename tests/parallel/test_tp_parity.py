@@ -47,7 +47,8 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     llama = "tp=2,model=llama"
     runs = {"zero1": f"zero1:{llama},build=init", "zero2": f"zero2:{llama},build=init",
             "zero3": f"zero3:{llama}", "zero3_init": f"zero3:{llama},build=init",
-            "zero1_offload": f"zero1:{llama},build=load,offload_optimizer=cpu", "zero2_load": f"zero2:{llama},build=load",
+            "zero1_offload": f"zero1:{llama},build=load,offload_optimizer=cpu",
+            "zero2_load": f"zero2:{llama},build=load",
             "zero3_load": f"zero3:{llama},build=load",
             "zero3_offload_opt": f"zero3:{llama},build=init,offload_optimizer=cpu",
             "zero3_offload": f"zero3:{llama},build=load,offload_optimizer=cpu,offload_params=cpu",
