@@ -40,12 +40,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 import lightning_zero  # noqa: F401  (registers the zero* strategy names)
 from data import DataConfig, TextDataModule
 from gpt import GPT, GPTConfig, GPTModule, OptimConfig
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroPrecision, ZeroStrategy
 from lightning_zero.config.hydra import RunConfig, register_configs, trainer_kwargs
 from lightning_zero.logging import ZeroMetrics
 from lightning_zero.offload import estimator as est
 from run_checks import ConfigRefused, check_host_room, check_keys, check_overrides, discard_if_empty, resolve_ckpt_path
-from run_log import RunLog, log, share_file_handlers
+from run_log import RunLog, log, quiet_lightning, share_file_handlers
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -95,12 +95,17 @@ def build(cfg: DictConfig) -> tuple[L.Trainer, GPTModule, TextDataModule, Option
             save_last=run.checkpoint.save_last,
         ))
     callbacks += [instantiate(node, _convert_="all") for node in cfg.callbacks.values()]
+    trainer_args = trainer_kwargs(OmegaConf.to_container(cfg.trainer, resolve=True))  # type: ignore[arg-type]
+    on_cpu = trainer_args.get("accelerator") == "cpu" or not torch.cuda.is_available()
+    fp16_on_cpu = trainer_args.get("precision") == "16-mixed" and on_cpu  # left to Lightning, which makes it bf16
+    if isinstance(strategy, ZeroStrategy) and not fp16_on_cpu:  # Lightning would announce AMP, which this is not
+        trainer_args["plugins"] = [ZeroPrecision(trainer_args.pop("precision"))]
     trainer = L.Trainer(
         strategy=strategy,
         logger=logger,
         callbacks=callbacks,
         enable_checkpointing=run.checkpoint.enabled,
-        **trainer_kwargs(OmegaConf.to_container(cfg.trainer, resolve=True)),  # type: ignore[arg-type]
+        **trainer_args,
     )
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per host, before any other process starts
         check_room(trainer, run.model, strategy, run.trainer.precision)
@@ -158,6 +163,7 @@ def _announce(cfg: DictConfig, message: str) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Any:
     share_file_handlers()  # Lightning's messages into this rank's log file too (run_log.py says why)
+    quiet_lightning()
     try:
         trainer, model, data, ckpt_path = build(cfg)
     except ConfigRefused as err:
