@@ -107,7 +107,7 @@ class ResumableSampler(DistributedSampler):
     loader) and calls its ``set_epoch``."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=shuffle)
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.resume: Optional[tuple[int, int]] = None
         """(epoch, samples to skip) set by :meth:`ResumableLoader.load_state_dict`; used once."""
 
