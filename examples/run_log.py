@@ -13,7 +13,8 @@ lazily (``delay: true`` in ``conf/config.yaml``), so a process with nothing to s
 from __future__ import annotations
 
 import logging
-from typing import Any
+import time
+from typing import Any, Optional
 
 import lightning.pytorch as L
 from lightning.pytorch.callbacks import Callback
@@ -80,6 +81,11 @@ class RunLog(Callback):
     """Rank 0 logs the run's outline: model and strategy at the start, every validation result, the
     end (steps done, where the last checkpoint is)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._window: Optional[tuple[float, int, int]] = None
+        """(start time, step at start, tokens since) of the current tokens/s window."""
+
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
@@ -99,6 +105,29 @@ class RunLog(Callback):
             type(trainer.accelerator).__name__.replace("Accelerator", "").lower(), trainer.precision,
             trainer.max_steps,
         )
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """Every ``log_every_n_steps`` optimizer steps: the train loss (rank 0's) and tokens/s of all
+        data-parallel ranks together since the previous line (the first window starts at the first step's end,
+        so start-up is not counted; a window with a validation in it counts the validation's time)."""
+        if not trainer.is_global_zero:
+            return
+        now = time.perf_counter()
+        if self._window is None:
+            self._window = (now, trainer.global_step, 0)
+        start, first_step, tokens = self._window
+        split = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        tokens += int(getattr(x, "numel", lambda: 0)()) * int(split.get("num_replicas", 1))
+        self._window = (start, first_step, tokens)
+        step = trainer.global_step
+        if step == first_step or step % max(1, trainer.log_every_n_steps):
+            return
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        log.info("step %d: train/loss %.4f, %s tokens/s", step, float(loss), f"{tokens / max(now - start, 1e-9):,.0f}")
+        self._window = (now, step, 0)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
