@@ -31,3 +31,26 @@ def test_refused_in_one_line_without_a_run_directory(tmp_path: Path, override: s
     assert len([line for line in lines if says in line]) == 1
     assert len(lines) == 1, lines
     assert not any(p.is_file() or p.name == ".hydra" for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
+
+
+def test_a_model_the_host_cannot_hold_is_refused_before_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model=gpt_1b (1.3B parameters) on 2 CPU processes needs tens of GiB of model state: with 4 GiB available the
+    build refuses in one line naming the need and the remedy (before any process starts or weight exists);
+    under zero3 the need per process is 1/N of it."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    from hydra import compose, initialize_config_dir
+
+    import run_checks
+    import train
+
+    for name in [k for k in os.environ if k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(run_checks, "host_available_bytes", lambda: 4 * run_checks.GIB)
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "model=gpt_1b", "logger=none"])
+        with pytest.raises(run_checks.ConfigRefused, match=r"GiB of host memory and this host has 4.0 GiB available: use strategy=zero3") as err:
+            train.build(cfg)
+        assert "\n" not in str(err.value)
+        monkeypatch.setattr(run_checks, "host_available_bytes", lambda: 64 * run_checks.GIB)
+        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "model=gpt_1b", "logger=none", "strategy=zero3"])
+        train.build(cfg)  # zero3: each process holds its partition only, which fits
