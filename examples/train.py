@@ -14,6 +14,8 @@ An MoE run's checkpoints name experts by global index whatever ``expert_parallel
 any); in one process, ``GPTModule.load_from_checkpoint(ckpt, expert_parallel=1)`` builds every expert.
 Lightning starts the extra local processes by re-running this script with Hydra's run dir pinned, so
 every rank composes the same config.
+The GPT is built in ``GPTModule.configure_model`` (under zero3 on the meta device, each rank materialising
+only its partition), after a check that this host has room for the model state (run_checks.py).
 An unknown key (``+anything=1``, a misspelt ``seeed=1``) is refused before anything starts, in one line
 (run_checks.py), and a refused run leaves no run directory behind. For sweeps over multi-process jobs, launch each job with
 torchrun or SLURM rather than Hydra's ``-m`` (Lightning's re-launch and multirun do not mix well).
