@@ -185,12 +185,14 @@ class TextDataModule(L.LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled, split over the data-parallel ranks (the strategy's ``distributed_sampler_kwargs``:
-        pipeline and tensor-parallel peers get the same batches), resumable mid-epoch."""
+        pipeline and tensor-parallel peers get the same batches), resumable mid-epoch. Without a Trainer
+        (Fabric, a plain loop) a plain shuffled loader, which ``fabric.setup_dataloaders`` splits over ranks."""
         if self.train_set is None:
             raise RuntimeError("TextDataModule.setup() has not run yet.")
+        if self.trainer is None:
+            return self._loader(self.train_set, shuffle=True)
         c = self.cfg
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        split: dict[str, Any] = (getattr(strategy, "distributed_sampler_kwargs", None) or {}) if strategy else {}
+        split: dict[str, Any] = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
         sampler = ResumableSampler(
             self.train_set, num_replicas=int(split.get("num_replicas", 1)), rank=int(split.get("rank", 0)),
             shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # Lightning's DistributedSampler's seed

@@ -93,3 +93,16 @@ def test_resumable_loader_continues_mid_epoch() -> None:
         resumed.sampler.set_epoch(2)
         full.sampler.set_epoch(2)
         assert [b.tolist() for b in resumed] == [b.tolist() for b in full]  # the skip is used once
+
+
+def test_without_a_trainer_the_train_loader_is_plain() -> None:
+    """Fabric's setup_dataloaders must be free to put its own DistributedSampler in (benchmarks/fabric_worker.py)."""
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    from data import ResumableLoader, TextDataModule
+
+    dm = TextDataModule(seq_len=32, batch_size=4)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert not isinstance(loader, ResumableLoader) and not isinstance(loader.sampler, DistributedSampler)
+    assert isinstance(loader.sampler, RandomSampler)
