@@ -53,7 +53,7 @@ def check_overrides(argv: Sequence[str], root: type, conf_dir: Path) -> None:
             (override,) = parser.parse_overrides([text])
         except Exception:  # noqa: BLE001 - a syntax error is Hydra's to report, with its own message
             continue
-        top = override.key_or_group.split(".")[0].split("@")[0]
+        top = override.key_or_group.split("@")[0].split("/")[0].split(".")[0]  # hydra/launcher=..., +x@pkg=...
         if top not in known:
             close = difflib.get_close_matches(top, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""

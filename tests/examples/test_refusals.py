@@ -54,3 +54,16 @@ def test_a_model_the_host_cannot_hold_is_refused_before_building(tmp_path: Path,
         monkeypatch.setattr(run_checks, "host_available_bytes", lambda: 64 * run_checks.GIB)
         cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "model=gpt_1b", "logger=none", "strategy=zero3"])
         train.build(cfg)  # zero3: each process holds its partition only, which fits
+
+
+def test_every_legitimate_override_form_passes_the_check() -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import run_checks
+    import train
+
+    ok = ["--cfg", "job", "-m", "strategy=zero1,zero2", "strategy.stage=3", "hydra/job_logging=disabled",
+          "hydra.run.dir=x", "+callbacks.lr._target_=a.B", "~logger", "ckpt_path=last", "trainer.max_steps=3",
+          "--config-name", "config", "model=gpt_tiny"]
+    run_checks.check_overrides(ok, train.TrainConfig, ROOT / "conf")
+    with pytest.raises(run_checks.ConfigRefused, match="'trainr'"):
+        run_checks.check_overrides(["trainr.max_steps=3"], train.TrainConfig, ROOT / "conf")
