@@ -118,7 +118,7 @@ class Estimate:
     nvme_bytes: int
 
 
-def device_state_coefficients(s: Setting, compute_bytes: int = 2) -> tuple[float, float]:
+def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optional[int] = None) -> tuple[float, float]:
     """THE bytes-per-parameter formula of the device's model state: ``(full, shard)`` such that a rank
     holds ``full * P + shard * P / N`` bytes at the optimizer step (16-bit or fp32 parameters, gradients,
     fp32 masters, the fp32 gradient partition the step reads, Adam's two moments). Working buffers (stage
@@ -130,16 +130,20 @@ def device_state_coefficients(s: Setting, compute_bytes: int = 2) -> tuple[float
     shard parameter, filled from the 16-bit gradients) next to the master; stage 0 steps its masters from
     the 16-bit flat gradients directly. That is why, on ONE rank, zero1-3 need 2-4 bytes per parameter
     more than zero0: partitioning pays off from N = 2 (zero1 from N = 2 breaks even: 4 + 16/2 = 12 < 16).
+    In fp32 (``compute_bytes=4``) with one rank (``ranks=1``), stages 1-2 use the flat fp32 parameters as the
+    master (zero/flat_group.py ``shares_master``): 4 bytes per parameter fewer; with ``ranks=None`` the
+    formula is the one for N >= 2.
     """
     c = compute_bytes
     master = 0 if c == 4 else 4  # in fp32 the parameters are the masters
+    shared = 4.0 if c == 4 and ranks == 1 else 0.0  # fp32, one rank: stages 1-2's master is the flat parameter
     if s.offload_optimizer == "none":
         if s.stage == 0:
             return 2 * c + master + 8, 0.0
         if s.stage == 1:
-            return 2 * c, 16.0
+            return 2 * c, 16.0 - shared
         if s.stage == 2:
-            return c, 16.0
+            return c, 16.0 - shared
         return 0.0, (c if c != 4 else 0) + 16.0
     if s.stage == 1:
         return 2 * c, 0.0
@@ -167,7 +171,7 @@ def per_param_formula(s: Setting, compute_bytes: int = 2) -> str:
 
 
 def _device_bytes(s: Setting, w: Workload) -> float:
-    full, shard = device_state_coefficients(s, w.compute_bytes)
+    full, shard = device_state_coefficients(s, w.compute_bytes, w.ranks)
     return full * w.params + shard * w.shard + device_working_bytes(s, w)
 
 

@@ -1,5 +1,5 @@
 """The estimator's one bytes-per-parameter formula (offload/estimator.py [Note: one formula]) against the
-storage a real run holds (issue #28): one rank, bf16-mixed, Adam, counted at the optimizer step (the
+storage a real run holds (issue #28): one rank, bf16-mixed and 32-true, Adam, counted at the optimizer step (the
 parameters, gradients, masters, the fp32 gradient partition and the moments, each storage once) for
 zero0-3, and the host side of zero3_offload after a step; each within 5% of the estimate."""
 
@@ -28,11 +28,13 @@ class AtStep(pl.Callback):
         self.params = sum(p.numel() for p in pl_module.parameters())
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_device_state_matches_the_formula(stage: int) -> None:
+def test_device_state_matches_the_formula(stage: int, precision: str) -> None:
     probe = AtStep()
-    fit(steps=2, callbacks=[probe], model=Wide(), precision="bf16-mixed", stage=stage)
-    full, shard = est.device_state_coefficients(est.Setting(stage), compute_bytes=2)
+    fit(steps=2, callbacks=[probe], model=Wide(), precision=precision, stage=stage)
+    c = 4 if precision == "32-true" else 2
+    full, shard = est.device_state_coefficients(est.Setting(stage), compute_bytes=c, ranks=1)
     expected = (full + shard) * probe.params  # one rank: N = 1
     assert abs(probe.bytes - expected) <= 0.05 * expected, (stage, probe.bytes / probe.params, full + shard)
 
