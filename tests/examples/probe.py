@@ -44,6 +44,20 @@ class StepProbe(L.Callback):
         self._write(trainer, {"param_bytes": parameter_storage(trainer, pl_module),
                               "world": trainer.world_size})
 
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        """Once, at the second step (Adam's moments exist from the first on): the device model state
+        (tests/offload/test_estimator_storage.py's count)."""
+        if trainer.global_step != 1:
+            return
+        tensors = list(pl_module.parameters()) + [p.grad for p in pl_module.parameters() if p.grad is not None]
+        for engine in getattr(trainer.strategy, "engines", []):
+            for fg in engine.groups:
+                tensors += [getattr(fg, n, None) for n in ("master", "shard16", "grad_shard", "flat_grad")]
+        tensors += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+        live = [t for t in tensors if t is not None and not t.is_meta]
+        gathered = storage_bytes(p for p in pl_module.parameters() if not p.is_meta)
+        self._write(trainer, {"state_bytes": storage_bytes(live), "param_bytes_at_step": gathered})
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
