@@ -207,4 +207,7 @@ class TextDataModule(L.LightningDataModule):
         return self._loader(self.val_set, shuffle=False)
 
 
-__all__ = ["DataConfig", "TextDataModule", "ResumableLoader", "ResumableSampler", "WindowDataset", "load_corpus", "tokenize", "SOURCES"]
+__all__ = [
+    "DataConfig", "TextDataModule", "ResumableLoader", "ResumableSampler", "WindowDataset", "load_corpus", "tokenize",
+    "SOURCES",
+]

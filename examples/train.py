@@ -130,7 +130,8 @@ def check_room(trainer: L.Trainer, model: GPTConfig, strategy: object, precision
     else:
         need = 16 * params * procs if on_cpu else 0  # fp32 weights, gradients and Adam's two moments per process
     hint = "use strategy=zero3 (each rank holds 1/N), an offload strategy on a GPU, fewer processes or a smaller model."
-    check_host_room(need, f"model={model.n_layer}x{model.d_model} ({params / 1e6:.0f}M parameters) on {procs} process(es)", hint)
+    what = f"model={model.n_layer}x{model.d_model} ({params / 1e6:.0f}M parameters) on {procs} process(es)"
+    check_host_room(need, what, hint)
 
 
 def check_optimizer_fits_strategy(name: str, strategy: object) -> None:

@@ -48,11 +48,13 @@ def test_a_model_the_host_cannot_hold_is_refused_before_building(tmp_path: Path,
     monkeypatch.setattr(run_checks, "host_available_bytes", lambda: 4 * run_checks.GIB)
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "model=gpt_1b", "logger=none"])
-        with pytest.raises(run_checks.ConfigRefused, match=r"GiB of host memory and this host has 4.0 GiB available: use strategy=zero3") as err:
+        refusal = r"GiB of host memory and this host has 4.0 GiB available: use strategy=zero3"
+        with pytest.raises(run_checks.ConfigRefused, match=refusal) as err:
             train.build(cfg)
         assert "\n" not in str(err.value)
         monkeypatch.setattr(run_checks, "host_available_bytes", lambda: 64 * run_checks.GIB)
-        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "model=gpt_1b", "logger=none", "strategy=zero3"])
+        overrides = [f"run_dir={tmp_path}", "model=gpt_1b", "logger=none", "strategy=zero3"]
+        cfg = compose(config_name="config", overrides=overrides)
         train.build(cfg)  # zero3: each process holds its partition only, which fits
 
 

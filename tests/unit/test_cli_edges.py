@@ -21,7 +21,11 @@ def test_ops_build_skips_cuda_ops_without_a_cuda_device(monkeypatch: pytest.Monk
     for name in cuda:
         monkeypatch.setattr(OPS[name], "device_present", lambda: False)
     built: list[str] = []
-    monkeypatch.setattr(ops_cli, "build_all", lambda ops, verbose=False: [(op.name, "ok") for op in ops if not built.append(op.name)])
+    def build_all(ops: list, verbose: bool = False) -> list[tuple[str, str]]:
+        built.extend(op.name for op in ops)
+        return [(op.name, "ok") for op in ops]
+
+    monkeypatch.setattr(ops_cli, "build_all", build_all)
     monkeypatch.setattr(ops_cli, "_print_table", lambda ops: None)
     assert ops_cli.main(["build", "--ops", ",".join(cuda)]) == 0
     out = capsys.readouterr().out
