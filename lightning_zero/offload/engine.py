@@ -52,7 +52,8 @@ from lightning_zero.offload.delayed import DelayedUpdateMixin
 from lightning_zero.offload.eager import EagerStep, StepInBackwardMixin
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
 from lightning_zero.offload.device_share import DeviceShare, PartialOffloadMixin, split_at_ratio
-from lightning_zero.offload.settings import OffloadSettings
+from lightning_zero.config.offload import OffloadConfig
+from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.optim import host_states
@@ -103,16 +104,17 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
 
     def __init__(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
                  compute_dtype: torch.dtype, device: torch.device, bucket_numel: int, *args: Any,
-                 offload: OffloadSettings, **kwargs: Any) -> None:
+                 offload: OffloadConfig, offload_host: OffloadHost, **kwargs: Any) -> None:
         self.offload = offload
+        self.offload_host = offload_host
         self._pin = can_pin(device, offload.pin_memory)
         self.host = HostPool(pin=self._pin)
         weakref.finalize(self, self.host.release)
-        self._accumulating = offload.accumulate
+        self._accumulating = offload_host.accumulate
         self._check_resources(optimizer, dp_group, compute_dtype, bucket_numel)
         self._swapper: Optional[NvmeSwapper] = None
         if offload.uses_nvme:
-            swap_dir = SwapDir(Path(str(offload.nvme_path)).expanduser(), offload.global_rank)
+            swap_dir = SwapDir(Path(str(offload.nvme_path)).expanduser(), offload_host.global_rank)
             self._swapper = NvmeSwapper(swap_dir, offload.nvme_io_threads)
             self._finalizer = weakref.finalize(self, self._swapper.close)
         self._swap_closed = False
@@ -157,11 +159,11 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
         )
         what = (f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}: fp32 masters, optimizer "
                 "states and gradient/parameter buffers for this rank's partition")
-        check_host_memory(int(host), o.ranks_per_node, what, advice, available=available_host_bytes())
+        check_host_memory(int(host), self.offload_host.ranks_per_node, what, advice, available=available_host_bytes())
         if o.uses_nvme:
-            need = int(est.nvme_bytes_per_rank(setting, w) * o.ranks_per_node)
+            need = int(est.nvme_bytes_per_rank(setting, w) * self.offload_host.ranks_per_node)
             check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}, "
-                            f"{o.ranks_per_node} rank(s) on this node")
+                            f"{self.offload_host.ranks_per_node} rank(s) on this node")
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
