@@ -67,8 +67,9 @@ SECTIONS: tuple[type, ...] = (
 
 RETIRED = {"overlap_comm": (True, "gradient collectives are always launched asynchronously, overlapping backward")}
 """Options that were accepted and read by nothing, with the one value that describes what the code does
-and why: that value is accepted with a warning, any other is refused (never silently ignored). Keyword
-arguments only: they are not in the Hydra schema (no YAML file or documented override named them)."""
+and why: that value is accepted with a warning, any other is refused (never silently ignored); None means
+not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the names as ``None`` fields, so
+``strategy.overlap_comm=...`` overrides still compose)."""
 
 
 @dataclass
@@ -137,10 +138,12 @@ class ZeroConfig(LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, 
         for name, (works, why) in RETIRED.items():
             if name in kwargs:
                 value = kwargs.pop(name)
+                if value is None:  # the Hydra schema's "not given"
+                    continue
                 if value != works:
                     raise ValueError(f"{name}={value!r} is not built: {why} ({name}={works!r}).")
                 warnings.warn(f"{name}={works!r} is what lightning_zero always does ({why}); the option will be "
-                              "removed: drop the argument.", FutureWarning, stacklevel=3)
+                              "removed: drop the argument.", FutureWarning, stacklevel=4)
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

@@ -40,6 +40,21 @@ def test_the_concerns_partition_zeroconfig() -> None:
     assert not ZeroConfig.__dict__.get("__annotations__"), "ZeroConfig restates fields its concerns declare"
 
 
+@pytest.mark.parametrize("bad", [
+    {"stage": 4}, {"prefetch_units": -1}, {"activation_offload_policy": "Block"}, {"schedule": "zigzag"},
+    {"offload_optimizer": "disk"}, {"compile_options": {"mode": "x"}}, {"start_method": "thread"},
+    {"checkpoint_format": "zip"}, {"nonfinite": "warn"},
+], ids=lambda bad: next(iter(bad)))
+def test_each_concern_validates_itself(bad: dict) -> None:
+    """A concern built on its own refuses its bad values, as ZeroConfig (which builds every concern) does."""
+    (name, _), = bad.items()
+    cls = next(c for c in SECTIONS if name in {f.name for f in fields(c)})
+    with pytest.raises(ValueError, match=name if name != "stage" else "ZeRO stage"):
+        cls(**bad)
+    with pytest.raises(ValueError, match=name if name != "stage" else "ZeRO stage"):
+        ZeroConfig(**bad)
+
+
 @pytest.mark.parametrize("make", [ZeroStrategy, ZeroFabricStrategy], ids=["trainer", "fabric"])
 def test_strategy_defaults_are_the_dataclass_defaults(make: type) -> None:
     strategy = make()
