@@ -63,7 +63,8 @@ SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
     CheckpointConfig, StepConfig,
 )
-"""ZeroConfig's concerns, in the order their validation runs (so the first error reported is as before)."""
+"""ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
+the first error reported for a config with several is, but for rare mixes, the same)."""
 
 RETIRED = {"overlap_comm": (True, "gradient collectives are always launched asynchronously, overlapping backward")}
 """Options that were accepted and read by nothing, with the one value that describes what the code does
@@ -90,7 +91,7 @@ class ZeroConfig(LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, 
         validates itself as it is built, and what spans two concerns is checked here."""
         self._pieces: dict[type, Any] = {}
         for cls in SECTIONS:
-            if cls is OffloadConfig:
+            if cls is OffloadConfig:  # the stage's part of offload first, as offload's checks always ran
                 self._validate_across()
             piece = cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
             for f in fields(cls):  # values a piece normalised (offload_ratio from Hydra's string)
@@ -116,12 +117,6 @@ class ZeroConfig(LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, 
             raise ValueError(
                 f"offload_params={self.offload_params!r} needs stage=3 (only ZeRO stage 3 partitions the "
                 f"parameters), got stage={self.stage}. Use stage=3, or offload_optimizer alone with stages 1-2."
-            )
-        if self.offload_params != "none" and self.offload_optimizer == "none":
-            raise ValueError(
-                f"offload_params={self.offload_params!r} with offload_optimizer='none' would keep the 12-byte "
-                "fp32 masters and optimizer states on the device while moving the 2-byte parameters off it: "
-                "set offload_optimizer='cpu' (or 'nvme') too."
             )
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError(
