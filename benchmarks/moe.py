@@ -1,7 +1,8 @@
 """Mixture of Experts with expert parallelism (issue #20, "Performance"): GPT-1.3B-class with 8 experts in
 every other block, ``ZeroStrategy(stage=2, expert_parallel=2)`` on 2 GPUs, against the dense model of
 equal active parameters (the same GPT without MoE: top-1 routing activates one MLP per token) under
-``zero2``; tokens/s, peak memory per GPU and the all-to-all share of the step.
+``zero2``; tokens/s, peak memory per GPU, the all-to-all share of the step and the dropped fraction (mean over
+the timed batches and the MoE layers, per rank).
 
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
@@ -90,6 +91,16 @@ class StepClock(L.Callback):
 
     def __init__(self, warmup: int, timer: A2ATimer) -> None:
         self.warmup, self.timer, self.start, self.steps = warmup, timer, 0.0, 0
+        self.dropped: list[torch.Tensor] = []
+        """Per timed batch, the mean over MoE layers of the dropped fraction: device scalars, read once at the end."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if not self.timer.active:
+            return
+        stats = [m.last_stats.dropped_fraction for m in pl_module.modules()
+                 if getattr(m, "last_stats", None) is not None]
+        if stats:
+            self.dropped.append(torch.stack(stats).mean())
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -145,12 +156,14 @@ def main() -> None:
         "params_per_rank": sum(p.numel() for p in module.parameters()),
         "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),
         "peak_memory_gib": peak, "all_to_all_share": a2a / clock.elapsed if moe else 0.0,
+        "dropped_fraction": float(torch.stack(clock.dropped).mean()) if clock.dropped else 0.0,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     records = C.all_gather_object(record, None)
     if trainer.global_rank == 0:
         print(json.dumps({**record, "per_rank_peak_gib": [r["peak_memory_gib"] for r in records],
-                          "per_rank_a2a_share": [r["all_to_all_share"] for r in records]}))
+                          "per_rank_a2a_share": [r["all_to_all_share"] for r in records],
+                          "per_rank_dropped_fraction": [r["dropped_fraction"] for r in records]}))
 
 
 if __name__ == "__main__":

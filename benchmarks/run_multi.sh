@@ -8,6 +8,8 @@
 #      (8 experts) against dense, pipeline.py at pp 2 (1F1B, M = 4, 8, 16) against zero1 and zero3.
 #   2  compile.py --gpus 4 (the same six configurations on all four GPUs).
 #   3  tp.py --gpus 4 at tp 4 and at dp 2 x tp 2, moe.py at EP 4, pipeline.py at pp 4 and pp 2 x dp 2.
+#   4  MoE at EP 2 and pipeline at pp 2 on GPUs 0,1 (call 1's lane B after tp.py).
+#   5  the TP, pipeline x TP, MoE and pipeline parity suites over NCCL (LZ_TEST_ACCELERATOR=gpu), a log per suite.
 #
 # Lanes share the host (64 cores) and nothing else: every ratio is taken between configurations of the
 # same lane, run one after another, so both sides of a ratio see the same neighbour. What comes back in
@@ -77,6 +79,14 @@ case "$CALL" in
       echo "### MoE EP 2 (8 experts) vs dense, zero2"; moe_pair 2
       pipe 2 2 zero1,zero3,pipe-M4,pipe-M8,pipe-M16 $(( $(left) - 10 ))
     ) > "$OUT/laneA.log" 2>&1
+    ;;
+  5)  # the parity suites over NCCL (tests/distributed/test_nccl.py's suites), one log per suite
+    for suite in tests/parallel/test_tp_parity.py tests/parallel/test_pp_tp_parity.py \
+                 tests/moe/test_zero_expert_parallel.py tests/pipeline/test_pipeline_parity.py; do
+      LZ_TEST_ACCELERATOR=gpu timeout $(( $(left) / 2 )) python3 -m pytest -q -x -p no:cacheprovider "$suite" \
+        > "$OUT/nccl_$(basename "$suite" .py).log" 2>&1
+      echo "$suite: exit $? ($(tail -n 1 "$OUT/nccl_$(basename "$suite" .py).log"))" >> "$OUT/laneA.log"
+    done
     ;;
   3)
     (

@@ -8,19 +8,25 @@ data feeds the 50304-vocab benchmark model. Any UTF-8 text file can be used inst
 Samples are fixed-stride windows; the first ``1 - val_fraction`` of the corpus is train, the rest
 validation (a split by position, so no validation text leaks into training through overlapping windows).
 Everything is deterministic: the corpus is the same on every rank, shuffling is the sampler's (seeded
-by Lightning's DistributedSampler / ``seed_everything``).
+like Lightning's own DistributedSampler, by ``seed_everything``'s seed and the epoch).
+
+Resumable mid-epoch: the training loader is a :class:`ResumableLoader`, which Lightning saves into every
+checkpoint and restores on ``ckpt_path=...`` (its ``state_dict``/``load_state_dict``), so a run killed at step
+N and resumed sees exactly the batches the uninterrupted run would have seen ([Note: resuming mid-epoch]).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
 SOURCES = ("pydoc",)
@@ -84,6 +90,52 @@ class WindowDataset(Dataset[tuple[Tensor, Tensor]]):
         return chunk[:-1], chunk[1:]
 
 
+# [Note: resuming mid-epoch]
+# Lightning restores a loader that has ``state_dict``/``load_state_dict`` (its ``_Stateful`` check) before it
+# iterates it; anything else restarts the epoch from its first batch, so a resumed run would see batches
+# twice. The position saved is the number of batches the *training loop* has finished in this epoch, read
+# from the trainer's progress when the checkpoint is written, not the batches the loader has yielded: the
+# loop fetches one batch ahead, so the loader's own count is one too many at every mid-epoch checkpoint.
+# The skip happens in the sampler (indices only: no skipped sample is loaded), and only in the epoch the
+# checkpoint was written in; ``len()`` stays the epoch's full length, which is what Lightning's restored
+# batch counters expect.
+
+
+class ResumableSampler(DistributedSampler):
+    """Lightning's DistributedSampler (same seed, same per-epoch shuffle, same split over ranks) that can
+    start an epoch part-way through. Being a DistributedSampler, Lightning keeps it as it is (no re-made
+    loader) and calls its ``set_epoch``."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, shuffle: bool, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+        self.resume: Optional[tuple[int, int]] = None
+        """(epoch, samples to skip) set by :meth:`ResumableLoader.load_state_dict`; used once."""
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        if self.resume is not None and self.resume[0] == self.epoch:
+            indices = indices[self.resume[1]:]
+        self.resume = None
+        return iter(indices)
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning saves and restores with the checkpoint ([Note: resuming mid-epoch])."""
+
+    def __init__(self, *args: Any, position: Callable[[], dict[str, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+        """(epoch, batches the training loop finished in it): the trainer's progress at save time."""
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.position())
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        sampler = self.sampler
+        if isinstance(sampler, ResumableSampler) and state:
+            sampler.resume = (int(state["epoch"]), int(state["batches"]) * int(self.batch_size or 1))
+
+
 class TextDataModule(L.LightningDataModule):
     """Train/validation windows over a byte-level corpus (see the module docstring)."""
 
@@ -123,13 +175,39 @@ class TextDataModule(L.LightningDataModule):
             num_workers=c.num_workers, persistent_workers=c.num_workers > 0,
         )
 
+    def _position(self) -> dict[str, int]:
+        """Where the training loop is: its epoch and the batches it finished in it (read at save time)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"epoch": trainer.current_epoch, "batches": trainer.fit_loop.epoch_loop.batch_progress.current.processed}
+
     @override
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        """Shuffled, split over the data-parallel ranks (the strategy's ``distributed_sampler_kwargs``:
+        pipeline and tensor-parallel peers get the same batches), resumable mid-epoch. Without a Trainer
+        (Fabric, a plain loop) a plain shuffled loader, which ``fabric.setup_dataloaders`` splits over ranks."""
+        if self.train_set is None:
+            raise RuntimeError("TextDataModule.setup() has not run yet.")
+        if self.trainer is None:
+            return self._loader(self.train_set, shuffle=True)
+        c = self.cfg
+        split: dict[str, Any] = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        sampler = ResumableSampler(
+            self.train_set, num_replicas=int(split.get("num_replicas", 1)), rank=int(split.get("rank", 0)),
+            shuffle=True, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),  # Lightning's DistributedSampler's seed
+        )
+        return ResumableLoader(
+            self.train_set, batch_size=c.batch_size, sampler=sampler, drop_last=True, position=self._position,
+            num_workers=c.num_workers, persistent_workers=c.num_workers > 0,
+        )
 
     @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
 
 
-__all__ = ["DataConfig", "TextDataModule", "WindowDataset", "load_corpus", "tokenize", "SOURCES"]
+__all__ = [
+    "DataConfig", "TextDataModule", "ResumableLoader", "ResumableSampler", "WindowDataset", "load_corpus", "tokenize",
+    "SOURCES",
+]

@@ -475,6 +475,7 @@ class GPTModule(L.LightningModule):
         pipeline: bool = False,
         freeze_fraction: float = OptimConfig.freeze_fraction,
         expert_parallel: int = 1,
+        deferred: bool = False,
     ) -> None:
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -501,8 +502,13 @@ class GPTModule(L.LightningModule):
             raise ValueError("model.pld needs the plain GPT (its block loop drops layers); pipeline stages run a fixed layer list.")
         if self.config.moe_experts and self.use_pipeline:
             raise ValueError("model.moe_experts with pipeline stages is not built yet.")
-        self.model = self._build_model()
-        if self.config.compile:
+        self.deferred = bool(deferred) and not self.use_pipeline
+        """Build the plain GPT in ``configure_model`` (examples/train.py): inside the strategy's context, so
+        ZeRO-3 creates it on the meta device and materialises only this rank's partition, and ddp/zero0-2
+        build it on the device directly. Not a hyper-parameter: ``load_from_checkpoint`` builds eagerly.
+        The pipeline form is always built here (its layers are created lazily, per stage, anyway)."""
+        self.model = None if self.deferred else self._build_model()
+        if self.config.compile and self.model is not None:
             self.compile_network()
 
     def compile_network(self) -> None:
@@ -587,7 +593,12 @@ class GPTModule(L.LightningModule):
         the ready plan (:func:`lightning_zero.parallel.tp_plan_gpt`), as under Lightning's
         ModelParallelStrategy; ZeRO then partitions each rank's TP shard over the data-parallel ranks.
         The pipeline form holds only this stage's layers by now; its blocks get the same split over the tp
-        ranks of the stage (lightning_zero/parallel/stage.py). Idempotent (Lightning calls it again for validate/test)."""
+        ranks of the stage (lightning_zero/parallel/stage.py). With ``deferred=True`` the network itself is
+        built here first. Idempotent (Lightning calls it again for validate/test)."""
+        if self.model is None:
+            self.model = self._build_model()
+            if self.config.compile:
+                self.compile_network()
         mesh = self.device_mesh
         if mesh is None or "tp" not in (mesh.mesh_dim_names or ()) or mesh["tp"].size() == 1:
             return

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from lightning_zero.offload.estimator import (
-    GIB, SETTINGS, Machine, Setting, Workload, estimate, fits, largest_fitting,
+    GIB, SETTINGS, Machine, Setting, Workload, estimate, fits, largest_fitting, per_param_formula,
 )
 from lightning_zero.offload.pinned import available_host_bytes
 from lightning_zero.optim.host_states import PRECISIONS, bytes_per_param
@@ -152,6 +152,9 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
             f"| {name} | {_fmt_bytes(e.gpu_bytes)} | {_fmt_bytes(e.cpu_bytes)} | {_fmt_bytes(e.nvme_bytes)} | {ok} | "
             f"{largest} |"
         )
+    per_param = ", ".join(f"{s.name} {per_param_formula(s, c)}" for s in SETTINGS[:4])
+    lines += ["", f"Device bytes per parameter at the optimizer step (N = data-parallel ranks; buckets and gathered "
+                  f"units on top): {per_param}."]
     return "\n".join(lines)
 
 

@@ -146,11 +146,12 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """Stage 3: ``configure_model`` builds parameters on the meta device (materialize.py)."""
+        """Stage 3: ``configure_model`` builds parameters on the meta device (materialize.py); weights
+        the module built or loaded before keep their values ([Note: the user's weights are kept])."""
         if self.config.stage != 3:
             yield
             return
-        with params_on_meta():
+        with params_on_meta(self.lightning_module):
             yield
 
     @override

@@ -11,7 +11,9 @@ No GPU and no process group are needed; consolidation holds the full weights (an
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 from lightning_zero.checkpoint.consolidate import consolidate, default_output, describe
@@ -30,9 +32,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     i.add_argument("src")
     i.add_argument("--tensors", action="store_true", help="list every weight with its shape and dtype")
     args = parser.parse_args(argv)
+    if not Path(args.src).exists():
+        print(f"error: {args.src} does not exist", file=sys.stderr)
+        return 1
     try:
         if args.command == "inspect":
             print(describe(args.src, list_tensors=args.tensors))
+            sys.stdout.flush()
             return 0
         out = args.out or default_output(args.src, args.safetensors)
         written = consolidate(args.src, out, safetensors=args.safetensors, progress=not args.no_progress)
@@ -40,6 +46,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     except (CorruptCheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `inspect ... | head`: the reader left; end quietly (Python's documented recipe)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
 
 

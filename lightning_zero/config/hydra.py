@@ -181,6 +181,14 @@ class RunConfig:
     """Chosen by the ``logger`` group; None (``logger=none``) disables logging."""
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     metrics: MetricsConf = field(default_factory=MetricsConf)
+    ckpt_path: Optional[str] = None
+    """Resume from this checkpoint (a file, a sharded checkpoint directory, or a run directory, whose
+    ``checkpoints/last.ckpt`` is taken), or ``last``: the newest ``checkpoints/last.ckpt`` of this run's
+    directory or the run directories beside it (the chain of runs one resumes from the other). None
+    trains from scratch."""
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    """Extra Lightning callbacks by name, each a node with a ``_target_``
+    (``+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor``), as in lightning-hydra-template."""
 
 
 def register_configs(root: type = RunConfig, store: Optional[ConfigStore] = None) -> None:

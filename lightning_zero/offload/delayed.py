@@ -41,7 +41,7 @@ class DelayedUpdateMixin:
             hg.rotate()  # the next backward lands elsewhere
         self._dpu_up = self._up = nxt
         assert self._dpu_pool is not None
-        self._dpu_future = self._dpu_pool.submit(self._cpu_step, grads, coef, nxt, hypers)
+        self._dpu_future = self._dpu_pool.submit(self._cpu_step, grads, coef, nxt, hypers, False, self._plans)
 
     def _finish_delayed_update(self) -> None:
         """Wait for the background step and upload its result (collective on stages 1-2: every rank

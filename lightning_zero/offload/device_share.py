@@ -161,6 +161,26 @@ class DeviceShare:
             grad_scale=scale,
         )
 
+    def step_pieces(self, gi: int, ranges: list[tuple[int, int, int]], steps: int, hyper: AdamHyper,
+                    grad_scale: float) -> None:
+        """Like :meth:`step`, for the used pieces ``(lo, hi, count)`` of the shard only, each with its own step
+        count; the rest (and their moments) stay as they are (zero/unused.py)."""
+        g = self._groups[gi]
+        if g is None or g.master.numel() == 0:
+            return
+        lo_share, hi_share = g.split, g.split + g.master.numel()
+        scale = None if grad_scale == 1.0 else torch.tensor(grad_scale, dtype=torch.float32, device=self.device)
+        for a, b, count in ranges:
+            a, b = max(a, lo_share) - lo_share, min(b, hi_share) - lo_share
+            if a < b:
+                step_t = torch.full((), count - 1.0, dtype=torch.float32, device=self.device)
+                torch_adam_step(
+                    [g.master[a:b]], [g.grad[a:b]], [g.exp_avg[a:b]], [g.exp_avg_sq[a:b]], [step_t],
+                    [None if g.out16 is None else g.out16[a:b]], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+                    eps=hyper.eps, weight_decay=hyper.weight_decay, adamw_mode=hyper.adamw_mode, grad_scale=scale,
+                )
+        g.step_t.fill_(steps)
+
     def source(self, gi: int, lo: int, hi: int) -> Tensor:
         """Shard range ``[lo, hi)`` (inside the device share) of the updated values, compute dtype."""
         g = self.group(gi)
@@ -253,7 +273,11 @@ class PartialOffloadMixin:
             for gi, pg in enumerate(self.optimizer.param_groups):
                 hyper = adam_hyper(self.optimizer, pg)
                 assert hyper is not None, "offload_ratio < 1 needs Adam (checked at setup)"
-                self._share.step(gi, self._step_counts[gi], hyper, 1.0 / coef)
+                plan = self._plans[gi] if self._plans is not None else None  # zero/unused.py
+                if plan is not None:
+                    self._share.step_pieces(gi, plan.ranges, plan.steps, hyper, 1.0 / coef)
+                else:
+                    self._share.step(gi, self._step_counts[gi], hyper, 1.0 / coef)
         if self._auto_pending:
             self._auto_pending = False
             self._choose_auto_split()

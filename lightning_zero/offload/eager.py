@@ -22,6 +22,9 @@ the step itself). Results are bitwise those of the synchronous step (tests compa
 update is committed when the step is reached: a run that skips the step *after* backward (an
 exception between backward and step) still has the updated masters, which are then uploaded.
 
+A bucket holding a parameter that got no gradient on this rank is left to the step, which knows whether
+any rank used it (offload/masked.py, zero/unused.py [Note: parameters unused on every rank]).
+
 Ranges run on one worker thread in the order their gradients landed (on CUDA each waits for its
 device-to-host copy's event); the compiled op releases the GIL and uses all but one core, leaving
 one to the thread driving backward.
@@ -132,7 +135,8 @@ class StepInBackwardMixin:
             out = self._upload_buffer(gi, self._up)
             assert hyper is not None and (out is None or out.dtype != torch.float32 or self._compact is not None), \
                 "see _eager_possible"
-            ranges.append(self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads))
+            whole = self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads)
+            ranges.append(self._lagging_ranges(gi, out, hyper, threads) or whole)  # masked.py
 
         def update(gi: int, lo: int, hi: int) -> None:
             ranges[gi](lo, hi)
@@ -152,8 +156,7 @@ class StepInBackwardMixin:
                 f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
                 "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
             )
-        for gi, lo, hi in uncovered(self._splits, eager.covered):
-            eager.run_now(gi, lo, hi)
+        self._run_uncovered(eager, uncovered(self._splits, eager.covered))  # masked.py
         self._upload_from = self._up
         for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
             for bi, b in enumerate(fg.layout.buckets):

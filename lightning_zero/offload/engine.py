@@ -50,6 +50,7 @@ from lightning_zero.offload.cpu import (
 from lightning_zero.offload.compact_state import CompactStateMixin
 from lightning_zero.offload.delayed import DelayedUpdateMixin
 from lightning_zero.offload.eager import EagerStep, StepInBackwardMixin
+from lightning_zero.offload.masked import MaskedStepMixin
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
 from lightning_zero.offload.device_share import DeviceShare, PartialOffloadMixin, split_at_ratio
 from lightning_zero.config.offload import OffloadConfig
@@ -85,7 +86,7 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True  # type: ignore[attr-defined]
 
 
-class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin, CompactStateMixin):
+class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin, CompactStateMixin):
     """Optimizer offload for stages 1-3 (see the module docstring). Put before the engine class; the
     step during backward (eager.py), the delayed update (delayed.py), partial offload
     (device_share.py) and compact host states (compact_state.py) are its parts in files of their own."""
@@ -259,6 +260,8 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
             for hg in self._grads:
                 hg.fold()
         eager = self._eager_for_this_backward()
+        if eager is not None and self._bw.missing[(gi, bi)] > 0:  # type: ignore[attr-defined]
+            eager = None  # a parameter without a gradient here: stepped at the step, under its plan (masked.py)
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
         lo, hi = b.shard_offset, b.shard_offset + b.chunk
@@ -372,20 +375,26 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
         if self._dpu_pool is None or self._steps <= self.offload.delayed_param_update_warmup:
             self._wait_h2d(self._up)
             self._upload_from = self._up
-            self._cpu_step(grads, coef, self._up, pipelined=True)
+            self._cpu_step(grads, coef, self._up, pipelined=True, plans=self._plans)
             self._step_device_share(coef)
             self._upload_from, self._upload_pending = self._up, True
             return
         self._step_delayed(grads, coef)
 
     def _cpu_step(self, grads: list[Tensor], coef: float, up: int,
-                  hypers: Optional[list[Optional[AdamHyper]]] = None, pipelined: bool = False) -> None:
+                  hypers: Optional[list[Optional[AdamHyper]]] = None, pipelined: bool = False,
+                  plans: Optional[list] = None) -> None:
         """The host share's step after backward. ``pipelined`` (the training thread, synchronous step):
         bucket by bucket, each bucket's upload started as soon as it is stepped (``_bucket_stepped``);
-        never from the delayed update's thread, which must not issue collectives."""
+        never from the delayed update's thread, which must not issue collectives. ``plans``: the step's
+        plan when some parameter was unused on every rank (zero/unused.py; masked.py steps those groups)."""
         opt = self.optimizer
         hypers = hypers or [adam_hyper(opt, pg) for pg in opt.param_groups]
         outs = [self._upload_buffer(gi, up) for gi in range(len(self.groups))]
+        if not all(h is not None for h in hypers) and plans is not None:
+            self._masked_generic_step(grads, coef, outs, plans)
+            self._out_valid = True
+            return
         if not all(h is not None for h in hypers):
             with self.host_state(), self.masters_in_optimizer():  # type: ignore[attr-defined]
                 generic_step(opt, [fg.master for fg in self.groups], grads, coef)
@@ -398,6 +407,12 @@ class OffloadMixin(StepInBackwardMixin, DelayedUpdateMixin, PartialOffloadMixin,
         threads = torch.get_num_threads()
         for gi, (fg, grad, out, hyper) in enumerate(zip(self.groups, grads, outs, hypers)):
             assert hyper is not None
+            if plans is not None and plans[gi] is not None:  # some parameter unused on every rank
+                self._masked_group_step(gi, grad, out, hyper, scale, threads, plans[gi])
+                for bi, b in enumerate(fg.layout.buckets):
+                    if pipelined and b.shard_offset < self._splits[gi]:
+                        self._bucket_stepped(gi, bi)
+                continue
             store = self._opt_store
             if store is not None and not store.resident:
                 st = store.placeholder_state(gi)

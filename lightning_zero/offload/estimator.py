@@ -118,24 +118,61 @@ class Estimate:
     nvme_bytes: int
 
 
-def _device_bytes(s: Setting, w: Workload) -> float:
-    c, P, S = w.compute_bytes, w.params, w.shard
-    working = (w.prefetch_units + 3) * c * w.unit  # gathered units (live + prefetched + root) and grad staging
-    bucket = 2 * c * min(w.bucket_numel, P)
-    master = 0 if c == 4 else 4
+def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optional[int] = None) -> tuple[float, float]:
+    """THE bytes-per-parameter formula of the device's model state: ``(full, shard)`` such that a rank
+    holds ``full * P + shard * P / N`` bytes at the optimizer step (16-bit or fp32 parameters, gradients,
+    fp32 masters, the fp32 gradient partition the step reads, Adam's two moments). Working buffers (stage
+    2's gradient buckets, stage 3's gathered units) come on top (:func:`device_working_bytes`).
+
+    [Note: one formula] The README's table, ``python -m lightning_zero.estimate`` and the engines' own
+    host check all read this; tests/offload/test_estimator_storage.py counts the storage of real runs
+    against it (within 5%). At the step, stages 1-3 hold the rank's gradient partition in fp32 (4 bytes per
+    shard parameter, filled from the 16-bit gradients) next to the master; stage 0 steps its masters from
+    the 16-bit flat gradients directly. That is why, on ONE rank, zero1-3 need 2-4 bytes per parameter
+    more than zero0: partitioning pays off from N = 2 (zero1 from N = 2 breaks even: 4 + 16/2 = 12 < 16).
+    In fp32 (``compute_bytes=4``) with one rank (``ranks=1``), stages 1-2 use the flat fp32 parameters as the
+    master (zero/flat_group.py ``shares_master``): 4 bytes per parameter fewer; with ``ranks=None`` the
+    formula is the one for N >= 2.
+    """
+    c = compute_bytes
+    master = 0 if c == 4 else 4  # in fp32 the parameters are the masters
+    shared = 4.0 if c == 4 and ranks == 1 else 0.0  # fp32, one rank: stages 1-2's master is the flat parameter
     if s.offload_optimizer == "none":
         if s.stage == 0:
-            return 2 * c * P + master * P + 8 * P
+            return 2 * c + master + 8, 0.0
         if s.stage == 1:
-            return 2 * c * P + 16 * S
+            return 2 * c, 16.0 - shared
         if s.stage == 2:
-            return c * P + 16 * S + bucket
-        return (c if c != 4 else 0) * S + 16 * S + working
+            return c, 16.0 - shared
+        return 0.0, (c if c != 4 else 0) + 16.0
     if s.stage == 1:
-        return 2 * c * P
+        return 2 * c, 0.0
     if s.stage == 2:
-        return c * P + bucket
-    return (c * S if s.offload_params == "none" else 0) + working
+        return c, 0.0
+    return 0.0, (c if s.offload_params == "none" else 0)
+
+
+def device_working_bytes(s: Setting, w: Workload) -> float:
+    """Transient device buffers on top of the model state: stage 2's gradient buckets (two, in flight),
+    stage 3's gathered units (live + prefetched + root) and their gradient staging."""
+    c = w.compute_bytes
+    if s.stage == 2:
+        return 2 * c * min(w.bucket_numel, w.params)
+    if s.stage == 3:
+        return (w.prefetch_units + 3) * c * w.unit
+    return 0.0
+
+
+def per_param_formula(s: Setting, compute_bytes: int = 2) -> str:
+    """``device_state_coefficients`` as text, e.g. ``4 + 16/N`` (what the README's table shows)."""
+    full, shard = device_state_coefficients(s, compute_bytes)
+    terms = ([f"{full:g}"] if full else []) + ([f"{shard:g}/N"] if shard else [])
+    return " + ".join(terms) or "0"
+
+
+def _device_bytes(s: Setting, w: Workload) -> float:
+    full, shard = device_state_coefficients(s, w.compute_bytes, w.ranks)
+    return full * w.params + shard * w.shard + device_working_bytes(s, w)
 
 
 def offload_host_bytes_per_rank(s: Setting, w: Workload) -> float:

@@ -19,8 +19,9 @@ Collectives must be issued in the same order on every rank. Hooks fire in an ord
 on the data (a parameter unused on one rank never fires there), so a bucket is launched only once
 it and every bucket before it are ready; whatever is left is launched by ``post_backward``. Ranks
 may therefore disagree on *when* a bucket goes, never on the order, which is why parameters without
-a gradient in a step need no ``find_unused_parameters`` flag. Their gradient counts as zero (as in
-DeepSpeed): with Adam, a parameter unused by every rank still sees its moments decay.
+a gradient in a step need no ``find_unused_parameters`` flag. A rank that did not use a parameter
+contributes zeros to its average, as under ddp; a parameter no rank used is not stepped at all, as
+torch's optimizers leave a ``grad=None`` parameter (unused.py [Note: parameters unused on every rank]).
 
 [Note: the optimizer keeps the model's parameters]
 The user's ``optimizer.param_groups`` keep listing the model's own parameters: Lightning's
@@ -51,6 +52,7 @@ from lightning_zero.zero.flat_group import FlatParamGroup
 from lightning_zero.zero.loss_scaler import DynamicLossScaler
 from lightning_zero.zero.partition import build_layout
 from lightning_zero.zero.shard_comm import ShardComm, place_param_groups
+from lightning_zero.zero.unused import GroupPlan, UsedParams, planned_masters, set_group_steps
 from lightning_zero.zero.wrappable import check_wrappable
 
 
@@ -136,6 +138,9 @@ class ZeroEngine:
             self.comms = [self.dp_comm] * len(self.groups)
             self.pg_of = list(range(len(self.groups)))
         self._replicated = [self._replicated_ranges(fg) for fg in self.groups] if self.tp_size > 1 else []
+        self.used = UsedParams(self.groups, self.comms)
+        self._plans: Optional[list[Optional[GroupPlan]]] = None
+        """This step's plan per flat group (None: every master steps whole; unused.py)."""
         optimizer.state.clear()
         self.launch_order: list[tuple[int, int]] = [
             (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
@@ -214,6 +219,7 @@ class ZeroEngine:
                 fg.flat_param.copy_(fg.master)
 
     def _zero_grads(self) -> None:
+        self.used.reset()
         for fg in self.groups:
             fg.flat_grad.zero_()
 
@@ -251,6 +257,7 @@ class ZeroEngine:
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._stash_grad(gi, si, param)
+        self.used.mark(gi, slot.index)
         if not self._syncing or bw.ready[gi][si]:
             return
         bw.ready[gi][si] = True
@@ -423,7 +430,9 @@ class ZeroEngine:
         coef = 1.0 / scale
         if clip_val is not None and clip_val > 0:
             coef *= min(1.0, clip_val / (self.grad_norm + 1e-6))  # type: ignore[operator]
+        self._plans = self.used.plan(self.optimizer, self.device, self._step_counted)  # collective: unused.py
         self._step_masters(grads, coef)
+        self._plans = None
         self._write_back()
         self._zero_grads()
         return True
@@ -445,14 +454,25 @@ class ZeroEngine:
             return self.pg_of[gi], "?"
         return None
 
+    @property
+    def _step_counted(self) -> bool:
+        """Whether the optimizer state's ``step`` already counts this step (offload's step during backward)."""
+        return False
+
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
         """Scale the gradients by ``coef`` (unscale and clip) and step the masters (offload: on the CPU)."""
         for fg, g in zip(self.groups, grads):
             if coef != 1.0:
                 g.mul_(coef)
             fg.master.grad = g
-        with self.masters_in_optimizer():
-            self.optimizer.step()
+        if self._plans is not None:  # some parameter unused on every rank (unused.py)
+            masters = [fg.master for fg in self.groups]
+            with planned_masters(self.optimizer, masters, self.pg_of, grads, self._plans):
+                self.optimizer.step()
+            set_group_steps(self.optimizer, masters, self._plans)
+        else:
+            with self.masters_in_optimizer():
+                self.optimizer.step()
         for fg in self.groups:
             fg.master.grad = None
 

@@ -4,6 +4,7 @@ Inside ``ZeroStrategy.model_sharded_context`` (Lightning enters it around ``conf
 every parameter registered on a module is replaced by a meta-device copy as soon as it is created,
 so building a model costs at most one parameter's memory, whatever its total size. Buffers stay
 real (they are small, and values computed in ``__init__`` such as masks would otherwise be lost).
+A parameter that replaces one holding values stays real: see [Note: the user's weights are kept].
 
 The engine then materialises the model unit by unit (:func:`materialize_unit`): each meta parameter
 is swapped in place for an empty real one (``torch.utils.swap_tensors`` keeps the Python object, so
@@ -22,24 +23,75 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.units import Unit
 
 _INIT_VALUE = "_lightning_zero_init_value"
 """Attribute of a meta parameter holding the value it was created with (see params_on_meta)."""
 
 
+_LOAD_GUARD = "_lightning_zero_meta_load_guard"
+"""Attribute marking a module whose ``load_state_dict`` into meta parameters is refused."""
+
+
+class MetaLoadError(RuntimeError):
+    """``load_state_dict`` (without ``assign=True``) into parameters on the meta device: a silent no-op."""
+
+
+def _refuse_load_into_meta(
+    module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: object
+) -> None:
+    if local_metadata.get("assign_to_params_buffers", False):
+        return  # assign=True registers the loaded tensors: kept ([Note: the user's weights are kept])
+    lost = [prefix + n for n, p in module.named_parameters(recurse=False) if p.is_meta and prefix + n in state_dict]
+    if lost:
+        raise MetaLoadError(
+            f"load_state_dict into {lost[:3]}{'...' if len(lost) > 3 else ''}, built on the meta device inside "
+            "configure_model (ZeRO-3 sharded initialisation), would copy nothing (torch only warns), and the weights "
+            "would be initialised afresh. Load with load_state_dict(state_dict, assign=True) (the loaded tensors are "
+            "kept), or build or load the model in __init__, or resume from a checkpoint (trainer.fit(ckpt_path=...))."
+        )
+
+
 @contextmanager
-def params_on_meta() -> Generator[None, None, None]:
-    """Register parameters on the meta device while the block runs."""
+def params_on_meta(existing: Optional[nn.Module] = None) -> Generator[None, None, None]:
+    """Register parameters on the meta device while the block runs, except those holding values that
+    replace a registered parameter, and the parameters of ``existing`` (the LightningModule, whose
+    ``__init__`` may have built or loaded weights) registered again ([Note: the user's weights are kept]).
+
+    [Note: the user's weights are kept]
+    Lightning's ModelParallelStrategy pattern builds (or loads) the weights in ``__init__`` and only
+    parallelizes them in ``configure_model``, which runs inside this context. ``parallelize_module``
+    re-registers every split weight as a new DTensor parameter (``register_parameter(name,
+    Parameter(distribute_tensor(old)))``), and so does any ``module.weight = Parameter(f(module.weight))``
+    rewrite, a tie to a weight that exists (``head.weight = embed.weight``) or
+    ``load_state_dict(sd, assign=True)`` on a model built here. Sending those to the meta device lost
+    the values: the materialiser then ran ``reset_parameters()``, so stage 3 x TP trained from fresh
+    random weights (first loss 4.986 instead of 5.049, 2026-11). The hook runs before the registration,
+    so the slot still holds the old parameter: a real parameter replacing one keeps its values (and its
+    memory: the user computed them), as does a parameter that existed before the context
+    (``existing``'s) registered in a slot of its own. Only parameters a constructor creates inside the
+    context (a model built in ``configure_model``) go to meta: initialising those is ours. A
+    ``load_state_dict`` without ``assign`` into them would copy nothing (torch only warns): refused
+    (:class:`MetaLoadError`). ``materialize_modules`` puts real parameters back after a
+    ``reset_parameters()`` that also covered them.
+    """
+    # held (not only their ids) so that no new object made inside the block can take one of their ids
+    before = {id(p): p for _, p in existing.named_parameters(remove_duplicate=False)} if existing is not None else {}
 
     def to_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> Optional[nn.Parameter]:
         if param is None or param.is_meta:
+            return None
+        if module._parameters.get(name) is not None or id(param) in before:  # the user's values
             return None
         meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         if not callable(getattr(module, "reset_parameters", None)):
             # nothing could re-create this value (``nn.Parameter(torch.ones(d))`` in a norm): keep it,
             # on the host, for materialize_modules ([Note: no uninitialised parameters])
             setattr(meta, _INIT_VALUE, param.detach().to("cpu", copy=True))
+        if not module.__dict__.get(_LOAD_GUARD, False):
+            module.register_load_state_dict_pre_hook(_refuse_load_into_meta)
+            setattr(module, _LOAD_GUARD, True)
         return meta
 
     handle = register_module_parameter_registration_hook(to_meta)
@@ -58,6 +110,11 @@ def _modules_of(model: nn.Module, unit: Unit, units: list[Unit]) -> list[nn.Modu
         return list(unit.module.modules())
     inside = {id(m) for u in units if u.module is not None for m in u.module.modules()}
     return [m for m in model.modules() if id(m) not in inside]
+
+
+def _has_storage(p: torch.Tensor) -> bool:
+    """Not a released ZeRO-3 parameter (storage resized to nothing)."""
+    return local_tensor(p).untyped_storage().nbytes() > 0
 
 
 class UninitializedParameterError(RuntimeError):
@@ -79,6 +136,11 @@ def materialize_modules(
     """
     touched = []
     fresh: list[tuple[str, nn.Parameter]] = []
+    # a reset_parameters() below resets every parameter of its module (a parent's, its children's too):
+    # the real ones among them are the user's ([Note: the user's weights are kept]), put back afterwards
+    own = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    held = [(p, p.detach().clone()) for p in own.values() if not p.is_meta and _has_storage(p)] if any(
+        p.is_meta for p in own.values()) else []
     for module in modules:
         mine = False
         for name, p in list(module.named_parameters(recurse=False)):
@@ -102,6 +164,9 @@ def materialize_modules(
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
+        for p, value in held:
+            p.copy_(value)
+        for module in touched:
             if init_hook is not None:
                 init_hook(module)
     unset = [name for name, p in fresh if p.is_floating_point() and bool(torch.isnan(p).any())]

@@ -59,6 +59,7 @@ class Stage1Engine(ZeroEngine):
             w.wait()
 
     def _zero_grads(self) -> None:
+        self.used.reset()
         for fg in self.groups:
             if fg.flat_grad is not None:
                 fg.flat_grad.zero_()

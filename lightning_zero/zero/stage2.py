@@ -103,6 +103,7 @@ class Stage2Engine(Stage1Engine):
         return self._reduce_scatter_into_shard(gi, bi, buf, after=release)
 
     def _zero_grads(self) -> None:
+        self.used.reset()
         for fg in self.groups:
             fg.drop_grad_shard()
         self._staging.clear()

@@ -7,7 +7,8 @@ fullgraph=True, ``method`` = ``self.model.compile()``, ``blocks`` = each block `
 ``strategy`` = ``ZeroStrategy(compile=True)``, ``example`` = the example's ``GPTConfig(compile=True)``
 with the backend forced through ``torch.compiler.set_stance``, ``none``), backend (``aot_eager`` or ``inductor``),
 precision, ac (activation checkpointing: 1), offload (1: optimizer and parameters in host memory),
-pp (pipeline stages), steps. Rank 0 writes ``OUT/NAME.pt`` with per-step losses of every rank, the
+pp (pipeline stages), steps, net (``seq``: :class:`SequentialBlocks` instead of the GPT); backend
+``default`` is torch.compile's own (inductor, named), seen through dynamo's counters only. Rank 0 writes ``OUT/NAME.pt`` with per-step losses of every rank, the
 dynamo counters (graph breaks, unique graphs, calls captured), how many times a compiled graph ran
 in each step (a counting backend wraps the real one), and the strategy's compile plan.
 """
@@ -91,17 +92,56 @@ class CompiledGPT(GPTModule):
         return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=4, shuffle=False)
 
 
+class SequentialBlocks(pl.LightningModule):
+    """``self.net = torch.compile(net)`` of a network made of ``nn.Sequential(Linear, GELU, Linear)``
+    blocks (timm/torchvision style): stage 3's units are the Linears, modules of torch.nn itself, which
+    a compile through ``_call_impl`` skipped (issue #27 item 2: nothing compiled under zero3)."""
+
+    def __init__(self, backend: Any, calls: list[int]) -> None:
+        super().__init__()
+        from torch import nn
+
+        def block(d: int) -> nn.Module:
+            return nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+        net = nn.Sequential(nn.Sequential(block(8), block(8)), nn.LayerNorm(8), nn.Linear(8, 4))
+        self.net = torch.compile(net, backend=backend)
+        self.calls = calls
+        self.losses: list[float] = []
+        self.graph_runs: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        before = self.calls[0]
+        loss = torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.losses.append(float(loss.detach()))
+        self.graph_runs.append(self.calls[0] - before)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(7)
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)),
+                          batch_size=4, shuffle=False)
+
+
 def run(name: str, spec: str, out: str) -> None:
     kind, _, rest = spec.partition(":")
     opts = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
     how = opts.get("compile", "net")
     calls = [0]
-    backend = counting_backend(opts.get("backend", "aot_eager"), calls)
+    backend: Any = counting_backend(opts.get("backend", "aot_eager"), calls)
+    if opts.get("backend") == "default":  # torch.compile's own default (inductor by name): dynamo's counters only
+        backend = "inductor"
     torch._dynamo.reset()
     counters.clear()
     pl.seed_everything(0, workers=True)
     pp = int(opts.get("pp", 1))
-    model = CompiledGPT(how if how != "strategy" else "none", backend, calls, opts.get("ac") == "1", pipeline=pp > 1)
+    if opts.get("net") == "seq":
+        model: Any = SequentialBlocks(backend, calls)
+    else:
+        model = CompiledGPT(how if how != "strategy" else "none", backend, calls, opts.get("ac") == "1", pipeline=pp > 1)
     if kind == "ddp":
         strategy: Any = DDPStrategy()
     else:
@@ -136,10 +176,13 @@ def run(name: str, spec: str, out: str) -> None:
         "unique_graphs": counters["stats"]["unique_graphs"],
         "calls_captured": counters["stats"]["calls_captured"],
         "plan": None if plan is None else {"compiled": plan.compiled, "made_eager": plan.made_eager,
-                                           "already_compiled": plan.already_compiled},
+                                           "already_compiled": plan.already_compiled,
+                                           "compiled_around": plan.compiled_around},
         "units": [u.name for u in trainer.strategy.engines[0].units[1:]] if kind == "zero3" else [],
     }
-    save_result(result, {"losses": model.losses, "graph_runs": model.graph_runs}, out, name)
+    per_rank = {"losses": model.losses, "graph_runs": model.graph_runs,  # dynamo's own counters, on every rank
+                "calls_captured": counters["stats"]["calls_captured"], "graph_breaks": result["graph_breaks"]}
+    save_result(result, per_rank, out, name)
 
 
 if __name__ == "__main__":

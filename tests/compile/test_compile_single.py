@@ -88,18 +88,48 @@ def test_apply_compile_redirects_a_whole_network_compile_under_stage3_only() -> 
     assert below.made_eager == [] and below.compiled == [] and not any(is_compiled(b) for b in net.blocks)
     plan = apply_compile(root, units, stage3=True, options=None)
     assert plan.made_eager == ["model"] and plan.compiled == [n for n, _ in units]
+    assert plan.compiled_around == ["model._orig_mod.norm"]  # the rest of what the user compiled
     x = torch.randn(2, 4, 32)
-    expected = net.norm(net.blocks[1]._call_impl(net.blocks[0]._call_impl(x)))
+    expected = nn.LayerNorm.forward(net.norm, net.blocks[1]._call_impl(net.blocks[0]._call_impl(x)))  # eager
     torch.testing.assert_close(root["model"](x), expected)
-    assert calls[0] == 2  # one compiled graph per block call, the user's backend; the outer call eager
+    assert calls[0] == 3  # one compiled graph per block call and the norm's, the user's backend; the outer call eager
     again = apply_compile(root, units, stage3=True, options=None)  # setup again (validate after fit)
-    assert again.compiled == [] and again.already_compiled == [n for n, _ in units]
+    assert again.compiled == [] and again.already_compiled == [n for n, _ in units] and again.compiled_around == []
 
 
-def test_compile_option_skips_torch_builtins_and_falls_back_to_children() -> None:
+def test_units_of_torch_nn_itself_are_compiled_under_stage3() -> None:
+    """issue #27 item 2: blocks made of ``nn.Sequential(Linear, GELU, Linear)`` give Linear units, modules
+    of torch.nn whose frames dynamo skips; with the whole network compiled (fullgraph, the user's
+    backend) every unit and every module between them is compiled through a frame of ours, each
+    Linear and each GELU once per call, and the values are the eager ones."""
+    calls = [0]
+    torch.manual_seed(0)
+    net = nn.Sequential(*(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)) for _ in range(2)))
+    root = nn.ModuleDict({"net": torch.compile(net, backend=counting(calls), fullgraph=True)})
+    units = [(f"net._orig_mod.{b}.{i}", net[b][i]) for b in range(2) for i in (0, 2)]
+    plan = apply_compile(root, units, stage3=True, options=None)
+    assert plan.compiled == [n for n, _ in units] and plan.already_compiled == []
+    assert plan.compiled_around == ["net._orig_mod.0.1", "net._orig_mod.1.1"]
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        expected = x
+        for block in net:
+            for layer in block:
+                expected = type(layer).forward(layer, expected)
+    torch.testing.assert_close(root["net"](x), expected)
+    assert calls[0] == 6
+    net[0][1](x)  # a part called outside the compiled network's forward runs eagerly, as under the user's compile
+    assert calls[0] == 6
+    assert "net._orig_mod.0.0.weight" in root.state_dict() and all(is_compiled(m) for _, m in units)
+
+
+def test_compile_option_compiles_torch_builtins_and_falls_back_to_children() -> None:
+    calls = [0]
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    plan = apply_compile(net, [], stage3=False, options={"backend": "eager"})
-    assert plan.compiled == []  # a torch.nn module on its own: nothing for dynamo to trace
+    plan = apply_compile(net, [], stage3=False, options={"backend": counting(calls), "fullgraph": True})
+    assert plan.compiled == ["0"]  # a torch.nn module on its own, compiled through a frame of ours
+    net(torch.randn(2, 4))
+    assert calls[0] == 1
     model = nn.ModuleDict({"net": _Net()})
     plan = apply_compile(model, [], stage3=False, options={"backend": "eager"})
     assert plan.compiled == ["net"]

@@ -38,7 +38,7 @@ import lightning_zero  # noqa: E402
 from tests.helpers.fit_epochs import fit_epochs  # noqa: E402
 from lightning_zero.parallel import tp_plan_llama  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_atomic, save_result  # noqa: E402
-from tests.parallel.tp_worker import BATCH, CLIP, LR, TPModule, build, full_weights, loss_of, tokens  # noqa: E402
+from tests.parallel.tp_worker import BATCH, CLIP, LR, MetaBuiltTPModule, build, full_weights, loss_of, tokens  # noqa: E402
 
 BATCHES_PER_EPOCH, EPOCHS = 3, 2
 
@@ -53,7 +53,7 @@ def _strategy(opts: dict[str, str], cls: type = lightning_zero.ZeroStrategy) -> 
     return cls(stage=stage, tensor_parallel=int(opts.get("tp", "1")), bucket_size_mb=0.002, timeout_s=120.0, **extra)
 
 
-class CkptModule(TPModule):
+class CkptModule(MetaBuiltTPModule):
     """tp_worker's module over 3 fixed batches per epoch; records losses by global step and the full
     weights at given moments (collectives: every rank records)."""
 

@@ -1,9 +1,10 @@
 """Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
 
 Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
-``zeroK:tp=T,model=llama|gpt[,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,offload_ratio=R,precision=P]`` (a Trainer fit
-under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
-LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model) or
+``zeroK:tp=T,model=llama|gpt[,build=configure|init|load,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,
+offload_ratio=R,precision=P]`` (a Trainer fit under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
+LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model; ``build``: where
+the model's weights come from, see :func:`make_module`) or
 ``ref:model=llama|gpt`` (rank 0 only: the same model, data, AdamW and clipping in a plain torch loop on
 one process, the oracle). Rank 0 writes ``OUT/NAME.pt``: per-step global losses, final full weights,
 and per-rank optimizer-state bytes with the numbers they are checked against.
@@ -40,8 +41,8 @@ from tests.helpers.launch import worker_accelerator  # noqa: E402
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
 
-def build(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -76,22 +77,22 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class TPModule(pl.LightningModule):
-    """The model built in configure_model and parallelized there, as under ModelParallelStrategy."""
+    """The model built in ``__init__`` (``model`` given) or in configure_model, and parallelized there,
+    as under ModelParallelStrategy. Weights built or loaded in ``__init__`` are the user's: no hook
+    re-creates them, so they train from exactly the oracle's values only if every stage keeps them."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, model: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.kind = kind
-        self.init_values = {n: p.detach().clone() for n, p in build(kind).named_parameters()}
-        """The reference's initial weights: ZeRO-3 builds configure_model's model on the meta device and
-        materialises it unit by unit (zero_init_module copies these in, slicing TP shards)."""
-        self.model: torch.nn.Module | None = None
+        self.model = model
         self.losses: list[float] = []
         self.mesh_seen: tuple | None = None
+        self.parallelized = False
 
     def configure_model(self) -> None:
-        if self.model is not None:
+        if self.parallelized:  # configure_model runs again for validate/test/predict
             return
-        model = build(self.kind)
+        model = self.model if self.model is not None else build(self.kind)
         mesh = self.device_mesh
         self.mesh_seen = (tuple(mesh.mesh_dim_names), tuple(mesh.shape))
         tp = mesh["tp"]
@@ -99,13 +100,7 @@ class TPModule(pl.LightningModule):
             plan = tp_plan_llama(model, tp) if self.kind == "llama" else tp_plan_gpt(model, tp)
             parallelize_module(model, tp, plan)
         self.model = model
-
-    def zero_init_module(self, module: torch.nn.Module) -> None:
-        prefix = {id(m): n for n, m in self.model.named_modules()}[id(module)]
-        for name, p in module.named_parameters(recurse=False):
-            full = self.init_values[f"{prefix}.{name}" if prefix else name]
-            shape, offset = local_block(p)  # a DTensor's TP shard: its block of the full tensor
-            local_tensor(p).copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+        self.parallelized = True
 
     def training_step(self, batch, batch_idx):
         loss = loss_of(self.kind, self.model, batch[0])
@@ -120,10 +115,43 @@ class TPModule(pl.LightningModule):
         return DataLoader(TensorDataset(tokens()[dims.dp_rank :: dims.dp]), batch_size=BATCH // dims.dp, shuffle=False)
 
 
+class MetaBuiltTPModule(TPModule):
+    """The model built in configure_model: ZeRO-3 builds it on the meta device and materialises it unit
+    by unit, where ``zero_init_module`` copies the oracle's initial weights in (slicing TP shards)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.init_values = {n: p.detach().clone() for n, p in build(kind).named_parameters()}
+
+    def zero_init_module(self, module: torch.nn.Module) -> None:
+        prefix = {id(m): n for n, m in self.model.named_modules()}[id(module)]
+        for name, p in module.named_parameters(recurse=False):
+            full = self.init_values[f"{prefix}.{name}" if prefix else name]
+            shape, offset = local_block(p)  # a DTensor's TP shard: its block of the full tensor
+            local_tensor(p).copy_(full[tuple(slice(o, o + s) for o, s in zip(offset, shape))])
+
+
+def make_module(kind: str, how: str, out: str) -> TPModule:
+    """``configure``: built in configure_model (meta under stage 3, initialised through the hook);
+    ``init``: built in ``__init__`` with the oracle's seed; ``load``: built in ``__init__`` from another
+    seed, then loaded from a saved ``state_dict`` of the oracle's model (a pretrained checkpoint)."""
+    if how == "configure":
+        return MetaBuiltTPModule(kind)
+    if how == "init":
+        return TPModule(kind, build(kind))
+    assert how == "load", how
+    path = os.path.join(out, f"_pretrained_{kind}_rank{os.environ.get('RANK', '0')}.pt")
+    torch.save(build(kind).state_dict(), path)
+    model = build(kind, seed=123)
+    model.load_state_dict(torch.load(path, weights_only=True))
+    os.remove(path)
+    return TPModule(kind, model)
+
+
 def run_zero(stage: int, opts: dict[str, str]) -> dict:
     kind = opts.get("model", "llama")
     tp = int(opts.get("tp", "2"))
-    module = TPModule(kind)
+    module = make_module(kind, opts.get("build", "configure"), sys.argv[1])
     extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: gather/release every unit
     for key in ("offload_optimizer", "offload_params"):  # ZeRO-Offload / ZeRO-Infinity on the local TP shards
         if key in opts:

@@ -67,3 +67,42 @@ def test_text_file_source_and_unknown_source(tmp_path: Path) -> None:
         TextDataModule(seq_len=16, batch_size=2, source="no/such/corpus").setup("fit")
     with pytest.raises(ValueError, match="val_fraction"):
         TextDataModule(seq_len=16, val_fraction=1.5)
+
+
+def test_resumable_loader_continues_mid_epoch() -> None:
+    """examples/data.py [Note: resuming mid-epoch]: restored at (epoch 1, 3 batches done), the loader yields
+    exactly the rest of epoch 1 an uninterrupted loader yields, on each of 2 ranks; other epochs are whole."""
+    import torch
+
+    from data import ResumableLoader, ResumableSampler
+
+    data = torch.arange(100)
+
+    def loader(rank: int) -> ResumableLoader:
+        sampler = ResumableSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=7)
+        return ResumableLoader(data, batch_size=4, sampler=sampler, drop_last=True, position=lambda: {})
+
+    for rank in (0, 1):
+        full, resumed = loader(rank), loader(rank)
+        full.sampler.set_epoch(1)
+        expected = [b.tolist() for b in full][3:]
+        resumed.load_state_dict({"epoch": 1, "batches": 3})
+        resumed.sampler.set_epoch(1)
+        assert [b.tolist() for b in resumed] == expected
+        assert len(resumed) == len(full)  # Lightning's restored counters expect the epoch's full length
+        resumed.sampler.set_epoch(2)
+        full.sampler.set_epoch(2)
+        assert [b.tolist() for b in resumed] == [b.tolist() for b in full]  # the skip is used once
+
+
+def test_without_a_trainer_the_train_loader_is_plain() -> None:
+    """Fabric's setup_dataloaders must be free to put its own DistributedSampler in (benchmarks/fabric_worker.py)."""
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    from data import ResumableLoader, TextDataModule
+
+    dm = TextDataModule(seq_len=32, batch_size=4)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert not isinstance(loader, ResumableLoader) and not isinstance(loader.sampler, DistributedSampler)
+    assert isinstance(loader.sampler, RandomSampler)

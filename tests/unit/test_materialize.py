@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.zero.materialize import UninitializedParameterError, materialize_modules, params_on_meta
+from lightning_zero.zero.materialize import MetaLoadError, UninitializedParameterError, materialize_modules, params_on_meta
 
 
 class ScaleNorm(nn.Module):
@@ -66,3 +66,56 @@ def test_a_parameter_nothing_initialises_is_refused_by_name() -> None:
 
     with pytest.raises(UninitializedParameterError, match=r"Custom\.gate"):
         materialize_modules([Custom()], torch.device("cpu"))
+
+
+def test_weights_built_before_the_context_keep_their_values() -> None:
+    """[Note: the user's weights are kept]: a parameter replacing a real one (parallelize_module's
+    re-registration, a rewrite, a real one replacing a meta one) and an existing parameter registered in
+    another slot (a tie) stay real with their values; what a constructor creates inside goes to meta."""
+    torch.manual_seed(0)
+    owner = nn.Module()
+    owner.a, owner.b = Block(), Block()
+    before = {n: p.detach().clone() for n, p in owner.named_parameters()}
+    with params_on_meta(owner):
+        owner.a.lin.weight = nn.Parameter(owner.a.lin.weight.detach() * 1.0)  # a new object, the same values
+        owner.b.lin.weight = owner.a.norm.weight  # a tie to a weight that exists, into a slot that held one
+        del owner.b.lin.bias
+        owner.b.lin.bias = owner.a.lin.bias  # an existing parameter in an empty slot
+        owner.c = Block()  # built inside: ours to initialise
+        owner.c.lin.weight = nn.Parameter(torch.zeros(8, 8))  # the user's values, replacing a meta one
+    assert torch.equal(owner.a.lin.weight, before["a.lin.weight"])
+    assert owner.b.lin.weight is owner.a.norm.weight and owner.b.lin.bias is owner.a.lin.bias
+    assert not any(p.is_meta for p in (*owner.a.parameters(), *owner.b.parameters()))
+    assert owner.c.lin.bias.is_meta and owner.c.norm.weight.is_meta
+    materialize_modules(list(owner.c.modules()), torch.device("cpu"))
+    assert torch.equal(owner.c.lin.weight, torch.zeros(8, 8))  # through Linear.reset_parameters()
+
+
+def test_a_load_into_a_model_built_on_meta_is_kept_with_assign_and_refused_without() -> None:
+    """Loading a state_dict inside configure_model: with ``assign=True`` the loaded tensors are registered and
+    kept; without, torch copies nothing into meta parameters (it only warns): refused with a clear error."""
+    torch.manual_seed(0)
+    saved = Block().state_dict()
+    with params_on_meta():
+        block = Block()
+        block.load_state_dict(saved, assign=True)
+    materialize_modules(list(block.modules()), torch.device("cpu"))
+    for k, v in block.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    with params_on_meta():
+        again = Block()
+        with pytest.raises(MetaLoadError, match="assign=True"):
+            again.load_state_dict(dict(saved))  # not saved itself: torch wrote assign=True into its _metadata
+
+
+def test_a_module_that_also_gets_a_new_parameter_keeps_its_real_ones() -> None:
+    """reset_parameters() of a module with one new (meta) parameter would re-initialise its real ones too."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    weight = lin.weight.detach().clone()
+    with params_on_meta(lin):
+        del lin.bias
+        lin.bias = nn.Parameter(torch.zeros(4))  # new, into an empty slot: on meta, reset_parameters sets it
+    assert lin.bias.is_meta and not lin.weight.is_meta
+    materialize_modules([lin], torch.device("cpu"))
+    assert torch.equal(lin.weight, weight) and not bool(torch.isnan(lin.bias).any())
