@@ -45,7 +45,8 @@ from torch import Tensor
 from lightning_zero.comm import collectives as C
 from lightning_zero.offload import estimator as est
 from lightning_zero.offload.cpu import (
-    AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
+    STEP_CHUNK, AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op,
+    sum_of_squares,
 )
 from lightning_zero.offload.compact_state import CompactStateMixin
 from lightning_zero.offload.delayed import DelayedUpdateMixin
@@ -62,11 +63,6 @@ from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.engine import _Pending, squared_norm
 
 log = logging.getLogger(__name__)
-
-STEP_CHUNK = 1 << 25
-"""Elements per CPU Adam call after backward. The compiled op releases the GIL, so the size does not
-matter to it; torch's fallback (no compiler) allocates temporaries as large as its input, which this
-bounds to a few hundred MB."""
 
 
 def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -146,7 +142,7 @@ class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, Par
     def _check_resources(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
                          compute_dtype: torch.dtype, bucket_numel: int) -> None:
         """Host memory and NVMe space, before anything is allocated (the estimator's figures)."""
-        o = self.offload
+        o, per_node = self.offload, self.offload_host.ranks_per_node
         setting = est.Setting(self.stage, o.offload_optimizer, o.offload_params)
         w = self._workload(optimizer, C.world_size(dp_group), compute_dtype, bucket_numel)
         host = est.offload_host_bytes_per_rank(setting, w)
@@ -160,11 +156,11 @@ class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, Par
         )
         what = (f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}: fp32 masters, optimizer "
                 "states and gradient/parameter buffers for this rank's partition")
-        check_host_memory(int(host), self.offload_host.ranks_per_node, what, advice, available=available_host_bytes())
+        check_host_memory(int(host), per_node, what, advice, available=available_host_bytes())
         if o.uses_nvme:
-            need = int(est.nvme_bytes_per_rank(setting, w) * self.offload_host.ranks_per_node)
+            need = int(est.nvme_bytes_per_rank(setting, w) * per_node)
             check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}, "
-                            f"{self.offload_host.ranks_per_node} rank(s) on this node")
+                            f"{per_node} rank(s) on this node")
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then
