@@ -36,11 +36,11 @@ from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.checkpoint.strategy_io import CheckpointMixin
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
-from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.config import LossScaleConfig, OffloadConfig, Stage3Config, ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
 from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
-from lightning_zero.offload.settings import OffloadSettings
+from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel.validate import check_tensor_parallel
 from lightning_zero.parallel_dims import ParallelDims
@@ -225,15 +225,13 @@ class ZeroCore(CheckpointMixin):
             stage_options = {
                 "module": module,
                 "param_group": self.dims.dp_param_group,
-                "unit_policy": self.config.unit_policy,
-                "prefetch_units": self.config.prefetch_units,
-                "max_live_parameters": self.config.max_live_parameters,
-                "param_persistence_threshold": self.config.param_persistence_threshold,
+                "stage3": self.config.piece(Stage3Config),
                 "materialize": make_unit_materializer(module, self.root_device, getattr(module, "zero_init_module", None)),  # type: ignore[attr-defined]
             }
         if self.config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
             engine_cls = offload_engine(self.config.stage)
-            stage_options["offload"] = OffloadSettings(self.config, self.num_processes, self.global_rank, accumulate)  # type: ignore[attr-defined]
+            stage_options["offload"] = self.config.piece(OffloadConfig)
+            stage_options["offload_host"] = OffloadHost(self.num_processes, self.global_rank, accumulate)  # type: ignore[attr-defined]
         dtype = self.precision_plugin.compute_dtype  # type: ignore[attr-defined]
         bucket_numel = max(1, int(self.config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         norm_groups = [self.dims.pp_group] if self.dims.pp > 1 else []

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.config.presets import register_presets
 from lightning_zero.core import ENGINES, ZeroCore
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
@@ -336,9 +337,7 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from lightning_zero.registry import register_all
-
-        register_all(strategy_registry)
+        register_presets(strategy_registry, ZeroStrategy)
 
 
 

@@ -1,5 +1,21 @@
-"""Typed configuration dataclasses: the single source of every default in lightning_zero."""
+"""Typed configuration dataclasses: the single source of every default in lightning_zero.
 
-from lightning_zero.config.strategy import VALID_STAGES, LossScaleConfig, ZeroConfig
+:class:`ZeroConfig` is the flat view users write (keywords, presets, Hydra overrides); its concerns are
+the dataclasses below, each validating itself, and each engine takes its own piece
+(``config.piece(Stage3Config)``). See config/strategy.py [Note: adding a concern].
+"""
 
-__all__ = ["ZeroConfig", "LossScaleConfig", "VALID_STAGES"]
+from lightning_zero.config.activations import ActivationConfig
+from lightning_zero.config.checkpoint import CheckpointConfig
+from lightning_zero.config.compile import CompileConfig
+from lightning_zero.config.launch import LaunchConfig
+from lightning_zero.config.offload import OffloadConfig
+from lightning_zero.config.parallel import ParallelConfig
+from lightning_zero.config.stage3 import Stage3Config
+from lightning_zero.config.step import StepConfig
+from lightning_zero.config.strategy import SECTIONS, VALID_STAGES, LossScaleConfig, StageConfig, ZeroConfig
+
+__all__ = [
+    "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "StageConfig", "Stage3Config", "OffloadConfig",
+    "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig", "ParallelConfig", "LaunchConfig",
+]

@@ -35,10 +35,12 @@ FSDP_TARGET = "lightning.pytorch.strategies.FSDPStrategy"
 @dataclass
 class ZeroStrategyConf(ZeroConfig):
     """Schema of ``conf/strategy/zero*.yaml``: every ZeroConfig field with ZeroConfig's default,
-    plus ZeroStrategy's ``loss_scale`` (used by 16-mixed only)."""
+    plus ZeroStrategy's ``loss_scale`` (used by 16-mixed only) and the retired names (``None``: not given)."""
 
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """fp16 dynamic loss scaling, e.g. ``strategy.loss_scale.initial_scale_power=12``."""
+    overlap_comm: Optional[bool] = None
+    """Retired (config/strategy.py ``RETIRED``): kept so that ``strategy.overlap_comm=true`` still composes."""
     _target_: str = ZERO_TARGET
 
 

@@ -38,6 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.config.presets import register_presets
 from lightning_zero.core import ZeroCore
 from lightning_zero.fabric.checkpoint import FabricCheckpointMixin
 from lightning_zero.fabric.precision import ZeroFabricPrecision
@@ -347,9 +348,7 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        from lightning_zero.registry import register_all_fabric
-
-        register_all_fabric(strategy_registry)
+        register_presets(strategy_registry, ZeroFabricStrategy)
 
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):

@@ -31,6 +31,12 @@ from lightning_zero.optim.torch_adam import torch_adam_step
 
 _CPU = torch.device("cpu")
 
+STEP_CHUNK = 1 << 25
+"""Elements per CPU Adam call after backward. The compiled op releases the GIL, so the size does not
+matter to it; torch's fallback (no compiler) allocates temporaries as large as its input, which this
+bounds to a few hundred MB. (Here, beside the Adam it bounds, so that engine.py and masked.py both
+import it without importing each other.)"""
+
 
 # ---------------------------------------------------------------------------------------- Adam fast path
 @dataclass(frozen=True)

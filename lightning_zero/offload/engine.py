@@ -45,7 +45,8 @@ from torch import Tensor
 from lightning_zero.comm import collectives as C
 from lightning_zero.offload import estimator as est
 from lightning_zero.offload.cpu import (
-    AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op, sum_of_squares,
+    STEP_CHUNK, AdamHyper, HostGradShard, adam_hyper, adam_update, generic_step, host_adam_state, load_adam_op,
+    sum_of_squares,
 )
 from lightning_zero.offload.compact_state import CompactStateMixin
 from lightning_zero.offload.delayed import DelayedUpdateMixin
@@ -53,7 +54,8 @@ from lightning_zero.offload.eager import EagerStep, StepInBackwardMixin
 from lightning_zero.offload.masked import MaskedStepMixin
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir, SwapFileError, check_nvme_path
 from lightning_zero.offload.device_share import DeviceShare, PartialOffloadMixin, split_at_ratio
-from lightning_zero.offload.settings import OffloadSettings
+from lightning_zero.config.offload import OffloadConfig
+from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.offload.pinned import HostPool, available_host_bytes, can_pin, check_host_memory
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.optim import host_states
@@ -61,11 +63,6 @@ from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.engine import _Pending, squared_norm
 
 log = logging.getLogger(__name__)
-
-STEP_CHUNK = 1 << 25
-"""Elements per CPU Adam call after backward. The compiled op releases the GIL, so the size does not
-matter to it; torch's fallback (no compiler) allocates temporaries as large as its input, which this
-bounds to a few hundred MB."""
 
 
 def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
@@ -104,16 +101,17 @@ class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, Par
 
     def __init__(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
                  compute_dtype: torch.dtype, device: torch.device, bucket_numel: int, *args: Any,
-                 offload: OffloadSettings, **kwargs: Any) -> None:
+                 offload: OffloadConfig, offload_host: OffloadHost, **kwargs: Any) -> None:
         self.offload = offload
+        self.offload_host = offload_host
         self._pin = can_pin(device, offload.pin_memory)
         self.host = HostPool(pin=self._pin)
         weakref.finalize(self, self.host.release)
-        self._accumulating = offload.accumulate
+        self._accumulating = offload_host.accumulate
         self._check_resources(optimizer, dp_group, compute_dtype, bucket_numel)
         self._swapper: Optional[NvmeSwapper] = None
         if offload.uses_nvme:
-            swap_dir = SwapDir(Path(str(offload.nvme_path)).expanduser(), offload.global_rank)
+            swap_dir = SwapDir(Path(str(offload.nvme_path)).expanduser(), offload_host.global_rank)
             self._swapper = NvmeSwapper(swap_dir, offload.nvme_io_threads)
             self._finalizer = weakref.finalize(self, self._swapper.close)
         self._swap_closed = False
@@ -144,7 +142,7 @@ class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, Par
     def _check_resources(self, optimizer: torch.optim.Optimizer, dp_group: Optional[C.ProcessGroup],
                          compute_dtype: torch.dtype, bucket_numel: int) -> None:
         """Host memory and NVMe space, before anything is allocated (the estimator's figures)."""
-        o = self.offload
+        o, per_node = self.offload, self.offload_host.ranks_per_node
         setting = est.Setting(self.stage, o.offload_optimizer, o.offload_params)
         w = self._workload(optimizer, C.world_size(dp_group), compute_dtype, bucket_numel)
         host = est.offload_host_bytes_per_rank(setting, w)
@@ -158,11 +156,11 @@ class OffloadMixin(MaskedStepMixin, StepInBackwardMixin, DelayedUpdateMixin, Par
         )
         what = (f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}: fp32 masters, optimizer "
                 "states and gradient/parameter buffers for this rank's partition")
-        check_host_memory(int(host), o.ranks_per_node, what, advice, available=available_host_bytes())
+        check_host_memory(int(host), per_node, what, advice, available=available_host_bytes())
         if o.uses_nvme:
-            need = int(est.nvme_bytes_per_rank(setting, w) * o.ranks_per_node)
+            need = int(est.nvme_bytes_per_rank(setting, w) * per_node)
             check_nvme_path(o.nvme_path, need, f"offload_optimizer={o.offload_optimizer!r}, offload_params={o.offload_params!r}, "
-                            f"{o.ranks_per_node} rank(s) on this node")
+                            f"{per_node} rank(s) on this node")
 
     def _host_master(self, numel: int, dtype: torch.dtype) -> Tensor:
         # fp32 training without an upload buffer uploads straight from the masters: pin them then

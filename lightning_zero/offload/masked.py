@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.cpu import AdamHyper, adam_hyper, adam_update
+from lightning_zero.offload.cpu import STEP_CHUNK, AdamHyper, adam_hyper, adam_update
 from lightning_zero.zero.unused import GroupPlan, planned_masters, set_group_steps
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,6 @@ class MaskedStepMixin:
         if self._compact is not None:  # type: ignore[attr-defined]
             self._compact_range(gi, grad, out, hyper, scale, threads, count)(lo, hi)  # type: ignore[attr-defined]
             return
-        from lightning_zero.offload.engine import STEP_CHUNK  # engine.py imports this module
-
         master = self.groups[gi].master  # type: ignore[attr-defined]
         st = self._host_adam_state(master)  # type: ignore[attr-defined]
         out16 = out if out is not None and out.dtype != torch.float32 else None

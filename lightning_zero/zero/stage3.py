@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.nn import Parameter
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
@@ -118,11 +119,12 @@ class Stage3Engine(Stage2Engine):
         opts = self.stage_options
         module: nn.Module = opts["module"]  # type: ignore[assignment]
         self.param_group = opts.get("param_group", self.dp_group)
-        self.prefetch_units = int(opts.get("prefetch_units", 1))  # type: ignore[arg-type]
-        self.max_live = int(opts.get("max_live_parameters", 10**9))  # type: ignore[arg-type]
-        threshold = int(opts.get("param_persistence_threshold", 0))  # type: ignore[arg-type]
+        cfg: Stage3Config = opts["stage3"]  # type: ignore[assignment]
+        self.prefetch_units = int(cfg.prefetch_units)
+        self.max_live = int(cfg.max_live_parameters)
+        threshold = int(cfg.param_persistence_threshold)
         materialize = opts.get("materialize")
-        self.units: list[Unit] = find_units(module, opts.get("unit_policy"))  # type: ignore[arg-type]
+        self.units: list[Unit] = find_units(module, cfg.unit_policy)
         per_group = self._trainable_groups()
         frozen: list[Parameter] = list(opts.get("frozen_params", ()))  # type: ignore[call-overload]
         owner = assign_params(module, self.units, [p for ps in per_group for p in ps] + frozen)

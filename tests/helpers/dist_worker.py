@@ -218,7 +218,7 @@ def run(name: str, spec: str, out: str) -> None:
         "eager_steps": [getattr(e, "eager_steps", None) for e in trainer.strategy.engines] if kind != "ddp" else [],
         "nvme_left": sorted(str(p.relative_to(opts["nvme"])) for p in Path(opts["nvme"]).rglob("*")) if "nvme" in opts else [],
     }
-    offload = [getattr(e, "offload", None) for e in getattr(trainer.strategy, "engines", [])]
+    offload = [getattr(e, "offload_host", None) for e in getattr(trainer.strategy, "engines", [])]
     result["node"] = {"num_nodes": trainer.num_nodes, "node_rank": trainer.node_rank,
                       "offload_ranks_per_node": [o.ranks_per_node for o in offload if o is not None]}
     keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units", "node")
