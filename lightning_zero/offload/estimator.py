@@ -12,7 +12,7 @@ and U the largest unit (stage 3: one transformer block):
 ==========================  ==================================  ======================================
 setting                     device                              host (+ NVMe)
 ==========================  ==================================  ======================================
-zero0                       2cP + 12P (fp32: 16P)               -
+zero0                       2cP + 16P (fp32: 16P)               -
 zero1                       2cP + 16S                           -
 zero2                       cP + 16S + bucket                   -
 zero3                       cS + 16S + (prefetch + 3) cU        -
@@ -126,20 +126,22 @@ def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optiona
 
     [Note: one formula] The README's table, ``python -m lightning_zero.estimate`` and the engines' own
     host check all read this; tests/offload/test_estimator_storage.py counts the storage of real runs
-    against it (within 5%). At the step, stages 1-3 hold the rank's gradient partition in fp32 (4 bytes per
-    shard parameter, filled from the 16-bit gradients) next to the master; stage 0 steps its masters from
-    the 16-bit flat gradients directly. That is why, on ONE rank, zero1-3 need 2-4 bytes per parameter
-    more than zero0: partitioning pays off from N = 2 (zero1 from N = 2 breaks even: 4 + 16/2 = 12 < 16).
-    In fp32 (``compute_bytes=4``) with one rank (``ranks=1``), stages 1-2 use the flat fp32 parameters as the
-    master (zero/flat_group.py ``shares_master``): 4 bytes per parameter fewer; with ``ranks=None`` the
-    formula is the one for N >= 2.
+    inside the optimizer step against it (within 5%). At the step, stages 1-3 hold the rank's gradient
+    partition in fp32 (4 bytes per shard parameter, filled from the 16-bit gradients) next to the master;
+    stage 0 steps its masters from an fp32 copy of its 16-bit flat gradients made at the step (4 bytes per
+    parameter, transient; none in fp32, where the flat gradients are fp32 already). On ONE rank stage 1
+    steps as stage 0 does (zero/stage1.py [Note: stage 1 on one rank]), and stages 2-3 send their
+    gradients straight into the fp32 partition (stage2.py [Note: one data-parallel rank]), so no stage
+    needs more than zero0 on one GPU; from N = 2 on every stage needs less. In fp32 (``compute_bytes=4``)
+    with one rank (``ranks=1``), stages 1-2 use the flat fp32 parameters as the master (zero/flat_group.py
+    ``shares_master``): 4 bytes per parameter fewer; with ``ranks=None`` the formula is the one for N >= 2.
     """
     c = compute_bytes
     master = 0 if c == 4 else 4  # in fp32 the parameters are the masters
     shared = 4.0 if c == 4 and ranks == 1 else 0.0  # fp32, one rank: stages 1-2's master is the flat parameter
     if s.offload_optimizer == "none":
-        if s.stage == 0:
-            return 2 * c + master + 8, 0.0
+        if s.stage == 0 or (s.stage == 1 and ranks == 1):  # [Note: stage 1 on one rank]
+            return 2 * c + master + 8 + (4 if c != 4 else 0), 0.0  # the fp32 copy of the gradients at the step
         if s.stage == 1:
             return 2 * c, 16.0 - shared
         if s.stage == 2:

@@ -36,8 +36,6 @@ from lightning_zero.zero.stage1 import Stage1Engine
 class Stage2Engine(Stage1Engine):
     stage = 2
     keeps_full_grad = False
-    single_rank_shortcuts = True
-    """Whether a one-rank group takes [Note: one data-parallel rank]'s shortcuts (offload: no)."""
 
     def _setup_grad_storage(self) -> None:
         self._staging: dict[tuple[int, int], Tensor] = {}

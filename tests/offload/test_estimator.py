@@ -23,7 +23,9 @@ def _e(name: str, **kw: object) -> est.Estimate:
 
 def test_bytes_per_parameter_on_one_gpu() -> None:
     """bf16 + Adam, one GPU: the figures of DESIGN.md section 6 and of the offload paper."""
-    assert _e("zero0").gpu_bytes == 16 * P  # 2 + 2 + 4 + 8
+    # 2 + 2 + 4 + 8, and the fp32 copy of the gradients zero0 steps from (counted in the step by
+    # tests/offload/test_estimator_storage.py; issue #28)
+    assert _e("zero0").gpu_bytes == 20 * P
     assert _e("zero2_offload").cpu_bytes == 16 * P  # masters 4 + moments 8 + gradient 2 + upload 2
     assert _e("zero2_offload").gpu_bytes == 2 * P + 2 * 2 * 25 * 2**20  # parameters + two gradient buckets
     assert _e("zero3_offload").cpu_bytes == 16 * P  # the step writes the 16-bit partitions in place
@@ -68,7 +70,7 @@ def test_estimate_from_a_model_on_the_meta_device() -> None:
     assert (total, unit) == (3 * (64 * 256 + 256), 64 * 256 + 256)
     rows = est.estimate_model(model, gpus_per_node=2)
     assert [r.setting for r in rows] == list(est.SETTINGS)
-    assert rows[0].gpu_bytes == 16 * total
+    assert rows[0].gpu_bytes == 20 * total  # zero0: 2 + 2 + 4 + 8 + the fp32 gradient copy at the step
 
 
 def test_largest_fitting_model_is_tight() -> None:
@@ -89,7 +91,7 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     rows = [line for line in out.splitlines() if line.startswith("| zero")]
     assert len(rows) == len(est.SETTINGS)
     zero0 = next(r for r in rows if r.startswith("| zero0 |"))
-    assert "104.3 GiB" in zero0 and "| no |" in zero0  # 16 B/param x 7e9 does not fit 80 GiB
+    assert "130.4 GiB" in zero0 and "| no |" in zero0  # 20 B/param x 7e9 does not fit 80 GiB
     offload = next(r for r in rows if r.startswith("| zero3_offload |"))
     assert "| yes |" in offload and "(CPU)" in offload
 
