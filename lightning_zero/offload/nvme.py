@@ -137,13 +137,7 @@ def check_nvme_dir(nvme_path: str) -> Path:
     strategy's construction, before any process starts): the directory exists, is a directory, takes a
     file, and its disk is not full. ``check_nvme_path`` checks the free space against the swap files'
     size at setup."""
-    path = Path(nvme_path).expanduser()
-    if not path.exists():
-        raise NvmePathError(
-            f"nvme_path '{nvme_path}' does not exist. Create it (on a fast local disk) or set nvme_path to one that does."
-        )
-    if not path.is_dir():
-        raise NvmePathError(f"nvme_path '{nvme_path}' is not a directory.")
+    path = _existing_dir(nvme_path)
     probe = path / f".lz-probe-{uuid.uuid4().hex[:8]}"
     try:
         with open(probe, "wb") as f:
@@ -163,10 +157,8 @@ def check_nvme_dir(nvme_path: str) -> Path:
     return path
 
 
-def check_nvme_path(nvme_path: Optional[str], need_bytes: int, what: str) -> Path:
-    """One clear error before training when ``nvme_path`` cannot take ``need_bytes`` of swap files."""
-    if not nvme_path:
-        raise NvmePathError("offload to 'nvme' needs nvme_path (a directory on a fast local disk).")
+def _existing_dir(nvme_path: str) -> Path:
+    """``nvme_path`` as a Path, or one clear error: it does not exist, or is not a directory."""
     path = Path(nvme_path).expanduser()
     if not path.exists():
         raise NvmePathError(
@@ -174,6 +166,14 @@ def check_nvme_path(nvme_path: Optional[str], need_bytes: int, what: str) -> Pat
         )
     if not path.is_dir():
         raise NvmePathError(f"nvme_path '{nvme_path}' is not a directory.")
+    return path
+
+
+def check_nvme_path(nvme_path: Optional[str], need_bytes: int, what: str) -> Path:
+    """One clear error before training when ``nvme_path`` cannot take ``need_bytes`` of swap files."""
+    if not nvme_path:
+        raise NvmePathError("offload to 'nvme' needs nvme_path (a directory on a fast local disk).")
+    path = _existing_dir(nvme_path)
     root = path / ROOT_NAME
     try:
         root.mkdir(exist_ok=True)
