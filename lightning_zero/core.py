@@ -481,6 +481,12 @@ class ZeroCore(CheckpointMixin):
             self._watchdog.own_failure = True
         if self._checkpointer is not None:
             self._checkpointer.wait_or_abandon(timeout_s=60.0)
+        # Engines abandoned first (background steps joined, swap files removed; no collective), before the
+        # report below, which may wait on the store for a second: Lightning's launcher SIGKILLs every
+        # rank the moment a failed peer exits, and swap files must not outlive the job. Teardown repeats
+        # it (idempotent).
+        for engine in list(self._engines.values()):
+            engine.abandon()
         if not isinstance(exception, KeyboardInterrupt):
             print_once(FailureBoard.for_default_group(exception), exception)  # the main thread's own store client
         released = {id(p): self._param_name(p) for e in self._stage3_engines() for p in e.sharded_params()}

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.launch import user_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
     ("optimizer=onebit_adam", "works with ZeRO stage(s) [0] only"),
 ])
 def test_refused_in_one_line_without_a_run_directory(tmp_path: Path, override: str, says: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = user_env()  # a Lightning run earlier in this process leaves LOCAL_RANK... (launch.py)
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), override, "logger=none"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stdout[-2000:]

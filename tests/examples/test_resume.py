@@ -11,7 +11,6 @@ second step is the estimator's bytes-per-parameter formula for N = 2 (fp32) with
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
 from lightning_zero.offload import estimator as est  # noqa: E402
 from lightning_zero.offload.estimator import count_params  # noqa: E402
+from tests.helpers.launch import user_env  # noqa: E402
 
 STEPS, KILL_AT, EVERY = 8, 5, 2
 TOL = 1e-6
@@ -35,7 +35,7 @@ COMMON = ["model=gpt_tiny", "trainer=debug", "logger=none", f"trainer.max_steps=
 
 
 def _train(run_dir: Path, probe: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = user_env()  # a Lightning run earlier in this process leaves LOCAL_RANK... (launch.py)
     cmd = [sys.executable, str(ROOT / "examples" / "train.py"), *COMMON, f"hydra.run.dir={run_dir}",
            f"+callbacks.probe.out={probe}", *extra]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=300)

@@ -37,6 +37,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAUNCHER_ENV = {"LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+"""What a Lightning run earlier in this pytest process leaves in os.environ: with LOCAL_RANK set, a launched
+script's Lightning waits for a rank 1 it believes someone else starts (a hang until the 1800 s timeout)."""
+
+
+def user_env(**extra: str) -> dict[str, str]:
+    """os.environ as a user's shell has it (no launcher variables, no ``PL_*``), with ``PYTHONPATH`` on the
+    repository, plus ``extra``: for scripts the tests start as a user would (examples/train.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV and not k.startswith("PL_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
 def _clean_env() -> dict[str, str]:
     env = worker_env()
     for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED",

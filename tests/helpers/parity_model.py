@@ -63,6 +63,9 @@ class ParityNet(LightningModule):
         self.losses: list[float] = []
         self.inject_inf_at = inject_inf_at
         self.n_train = n_train
+        self.sometimes_every = 2
+        """``sometimes`` is used when (step + rank) % this == 0: 2 leaves it unused on every rank of a
+        one-process run every other step; 1 uses it always (1-bit optimizers refuse unused parameters)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -71,7 +74,7 @@ class ParityNet(LightningModule):
             h = checkpoint(block, h, use_reentrant=False) if self.checkpointing and self.training else block(h)
         h = self.blocks[1](h)  # one module called twice in a forward
         rank = self.trainer.global_rank if self._trainer is not None else 0
-        if self.training and (self.global_step + rank) % 2 == 0:
+        if self.training and (self.global_step + rank) % self.sometimes_every == 0:
             h = h + self.sometimes(h)  # used on one of two ranks per step: needs no flag
         h = self.norm(h) * self.gain
         return F.linear(h, self.emb.weight)

@@ -4,7 +4,6 @@ messages; strategy files agree with the registered presets; the CLI runs 2-proce
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -26,9 +25,8 @@ import train  # noqa: E402  (registers the schemas in Hydra's ConfigStore)
 
 from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.config.hydra import trainer_kwargs  # noqa: E402
+from tests.helpers.launch import user_env  # noqa: E402
 
-DIST_ENV = {"LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
 GROUPS = ("strategy", "precision", "optimizer", "model", "data", "trainer", "logger")
 
 
@@ -181,10 +179,7 @@ def _run_train(tmp_path: Path, *overrides: str, env: Optional[dict[str, str]] = 
     """``examples/train.py`` as a user starts it, in a clean launcher environment: a Lightning run earlier
     in this pytest process leaves LOCAL_RANK, WORLD_SIZE, MASTER_PORT... in os.environ, and with
     LOCAL_RANK set Lightning would wait for a rank 1 that it believes someone else starts."""
-    extra = env or {}
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV and not k.startswith("PL_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env.update(extra)
+    env = user_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "train.py"), *overrides, f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,

@@ -184,6 +184,7 @@ class OneBitNet(ParityNet):
     def __init__(self, cls: type, **kw: Any) -> None:
         super().__init__(checkpointing=False, n_train=64)
         self.cls, self.kw = cls, kw
+        self.sometimes_every = 1  # one process: a parameter no rank uses would be refused (zero/unused.py)
 
     def configure_optimizers(self) -> Any:
         return self.cls(self.parameters(), lr=1e-2, **self.kw)

@@ -45,9 +45,10 @@ def test_compression_phase_bytes_per_step(runs: dict, kind: str) -> None:
     warm, comp = run["counted"][freeze - 1], run["counted"][freeze + 5]
     assert comp["wire"] <= comp["plain_wire"] / 12, comp
     names = [name for name, _ in comp["calls"]]
-    # per param group one all-to-all + one all-gather; the only all-reduce is the 4-byte grad norm
+    # per param group one all-to-all + one all-gather; the all-reduces are the 4-byte grad norm and the
+    # used-parameter mask (one byte per parameter: zero/unused.py)
     assert names.count("all_to_all_single") == names.count(C.ALL_GATHER_FN) == 2
-    assert [n for name, n in comp["calls"] if name == "all_reduce"] == [4]
+    assert [n for name, n in comp["calls"] if name == "all_reduce"] == [4, run["n_params"]]
     # in warm-up the engine all-reduces the (fp32 here) gradients in full
     assert sum(n for name, n in warm["calls"] if name == "all_reduce") >= 4 * warm["momentum_numel"]
 
@@ -63,7 +64,8 @@ def test_total_volume_and_reported_stats(runs: dict, kind: str) -> None:
     # over the run with 15% warm-up (16-bit warm-up accounting): >= 4.5x less than 16-bit all-reduces
     assert last["onebit/compression_ratio"] >= 4.5
     counted = run["counted"][freeze + 5]
-    assert stats[freeze + 4]["onebit/bytes_sent"] == pytest.approx(counted["wire"] - 4, rel=1e-6)  # minus the norm
+    reduced = sum(n for name, n in counted["calls"] if name == "all_reduce")  # the norm and the used mask
+    assert stats[freeze + 4]["onebit/bytes_sent"] == pytest.approx(counted["wire"] - reduced, rel=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["onebit_adam", "onebit_lamb"])

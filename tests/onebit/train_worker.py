@@ -163,6 +163,7 @@ def converge() -> dict[str, Any]:
         out[kind] = {
             "losses": probe.losses, "val_loss": float(trainer.callback_metrics["val/loss"]),
             "counted": probe.counted, "stats": probe.stats, "freeze_step": freeze,
+            "n_params": sum(1 for p in model.parameters() if p.requires_grad),  # the used mask's bytes
         }
     return out
 

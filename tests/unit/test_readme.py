@@ -5,7 +5,6 @@ tiny model, in one directory, in order (so ``ckpt_path=last`` resumes the run be
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.offload.estimator import Setting, per_param_formula
+from tests.helpers.launch import user_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -53,7 +53,7 @@ def test_cpu_blocks_are_found() -> None:
 
 @pytest.mark.slow
 def test_every_cpu_command_runs(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = user_env()  # a Lightning run earlier in this process leaves LOCAL_RANK... (launch.py)
     for i, command in enumerate(cpu_commands()):
         argv = [a.replace("{root}", str(tmp_path)) for a in _short(command, i)]
         proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
