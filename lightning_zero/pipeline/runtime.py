@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
@@ -127,7 +128,9 @@ class PipelineRuntime:
         return self._evaluate(inputs, labels)
 
     def predict(self, inputs: Any) -> Any:
-        """Outputs of the last layer for ``inputs``, on every rank of the pipeline."""
+        """Outputs of the last layer for ``inputs``, on every rank of the pipeline. Called by users outside
+        the Trainer's loop (which moves batches itself), so the inputs are moved to this stage's device first."""
+        inputs = move_data_to_device(inputs, self.device)
         mbs, _, _ = mbu.split_batch(inputs, None, self.microbatches, strict=False)
         plan = build_plan(self.schedule, self.stages, len(mbs), self.chunks, forward_only=True)
         st = _StepState(mbs, [None] * len(mbs), train=False, want_outputs=True)

@@ -16,5 +16,7 @@ def max_rel(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def tensor_rel(got: Tensor, ref: Tensor) -> float:
-    """``|got - ref| / |ref|`` in the 2-norm, in float64 (``ref`` is the reference)."""
-    return float((got.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+    """``|got - ref| / |ref|`` in the 2-norm, in float64 (``ref`` is the reference), on the CPU: a worker
+    run on GPUs (``LZ_TEST_ACCELERATOR=gpu``) may record device tensors beside a CPU oracle."""
+    got, ref = got.detach().cpu().double(), ref.detach().cpu().double()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-12))

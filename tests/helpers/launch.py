@@ -21,6 +21,15 @@ def worker_accelerator() -> str:
     return "gpu" if os.environ.get(ACCELERATOR_ENV, "cpu") == "gpu" else "cpu"
 
 
+def skip_without_gpus(nproc: int) -> None:
+    """Skip the calling fixture when its workers run on GPUs (``LZ_TEST_ACCELERATOR=gpu``) and there are
+    fewer than ``nproc``: NCCL refuses two ranks on one GPU. On CPU (gloo) nothing is skipped."""
+    if worker_accelerator() == "gpu" and torch.cuda.device_count() < nproc:
+        import pytest
+
+        pytest.skip(f"{nproc} ranks over NCCL need {nproc} GPUs; {torch.cuda.device_count()} here")
+
+
 def worker_env() -> dict[str, str]:
     """The environment of a launched worker: one thread per rank, no warnings, GPUs hidden unless asked for."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -63,6 +72,7 @@ def _clean_env() -> dict[str, str]:
 def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600,
                script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
     """Run ``script OUT NAME=SPEC...`` under torchrun; each run's ``OUT/NAME.pt`` (written by rank 0)."""
+    skip_without_gpus(nproc)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
         str(ROOT / script), str(tmp),

@@ -42,6 +42,13 @@ STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
 
 
 def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    """The model with the oracle's initial weights wherever it is built: on the meta device (stage 3's
+    configure_model) as it is, on a GPU (Lightning's configure_model runs under the root device) on the CPU
+    from the CPU generator's values, as the CPU oracle draws them (CUDA's generator gives other values); the
+    strategy moves it to the GPU as it moves any model built on the CPU."""
+    if torch.empty(()).device.type == "cuda":
+        with torch.device("cpu"):
+            return build(kind, seed)
     torch.manual_seed(seed)
     if kind == "llama":
         from transformers import LlamaConfig, LlamaForCausalLM

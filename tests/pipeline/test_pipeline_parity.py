@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, free_port, worker_env
+from tests.helpers.launch import ROOT, free_port, skip_without_gpus, worker_env
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens
 from tests.helpers.compare import max_rel as _rel
 
@@ -26,6 +26,7 @@ TOL = 1e-4
 
 
 def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:
+    skip_without_gpus(nproc)
     env = worker_env()
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
