@@ -1,0 +1,97 @@
+"""Ulysses sequence parallelism: two all-to-alls turn "every rank holds S/N tokens of every head" into
+"every rank holds all S tokens of H/N heads" and back, so attention itself runs unsplit.
+
+[Note: Ulysses]
+Before attention, ``q``, ``k`` and ``v`` (``[B, H, S/N, D]`` on each of ``N`` ranks) are cut into ``N``
+groups of heads; group ``j`` goes to rank ``j`` (one equal-split all-to-all, comm/collectives.all_to_all),
+which concatenates the sequence slices it receives in rank order: ``[B, H/N, S, D]``. The tokens are then
+in "rank order", which for the zigzag layout is not position order, so attention takes the gathered
+global positions (from the layout, on the host) and builds its mask from them (blockwise.block_attention;
+in the contiguous layout the order is the position order and SDPA's fused causal path runs). After
+attention the inverse all-to-all returns ``[B, H, S/N, D]``. The backward of each all-to-all is the other
+one. Heads must divide by ``N``; grouped-query key/value heads that do not are repeated up to the query
+heads first (DeepSpeed does the same), which costs their all-to-all volume and nothing else.
+Communication per attention: ``4`` all-to-alls of ``1/N`` of the activations each way, against ring
+attention's ``N - 1`` key/value block exchanges: Ulysses wins while heads divide, ring is the fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.sequence.blockwise import block_attention
+from lightning_zero.sequence.layout import SequenceLayout
+
+
+def _seq_to_heads(x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
+    """``[B, H, S/N, D]`` -> ``[B, H/N, S, D]`` (sequence slices in rank order)."""
+    n = C.world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    C.all_to_all(recv, send, group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_seq(x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
+    """``[B, H/N, S, D]`` -> ``[B, H, S/N, D]``, the inverse of :func:`_seq_to_heads`."""
+    n = C.world_size(group)
+    b, hn, s, d = x.shape
+    send = x.reshape(b, hn, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    recv = torch.empty_like(send)
+    C.all_to_all(recv, send, group)
+    return recv.transpose(0, 1).reshape(b, n * hn, s // n, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _heads_to_seq(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _seq_to_heads(grad, ctx.group), None
+
+
+def _gather_doc(doc: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
+    """Every rank's ``[B, S/N]`` document ids, ``[B, S]`` in rank order."""
+    n = C.world_size(group)
+    out = torch.empty(n * doc.numel(), dtype=doc.dtype, device=doc.device)
+    C.all_gather(out, doc.reshape(-1).contiguous(), group)
+    return out.view((n,) + tuple(doc.shape)).permute(1, 0, 2).reshape(doc.shape[0], -1)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, group: Optional[C.ProcessGroup],
+                      doc: Optional[Tensor] = None, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+    """Attention of this rank's tokens over the whole sequence of the group through two all-to-alls
+    (see [Note: Ulysses]); ``[B, H, S_local, D]`` in and out, ``k``/``v`` may have fewer heads."""
+    n = C.world_size(group)
+    if layout.size != n:
+        raise ValueError(f"layout for {layout.size} ranks used on a group of {n}")
+    heads = q.shape[1]
+    if heads % n:
+        raise ValueError(f"Ulysses needs the {heads} attention heads to divide by sequence parallel {n}: "
+                         "use ring attention (sp_attention='ring')")
+    if k.shape[1] % n:  # grouped-query heads that do not split: repeat them up to the query heads
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    pos = torch.cat([layout.positions(r) for r in range(n)])
+    full_doc = _gather_doc(doc, group) if doc is not None else None
+    out = block_attention(qh, kh, vh, pos, pos, full_doc, full_doc, causal=causal, scale=scale)
+    return _HeadsToSeq.apply(out, group)

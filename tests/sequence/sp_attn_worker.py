@@ -1,0 +1,70 @@
+"""Worker run under ``torchrun``: ring and Ulysses attention over the ranks against one-process attention.
+
+Usage: torchrun --nproc-per-node N tests/sequence/sp_attn_worker.py OUT NAME=SPEC [NAME=SPEC ...]
+SPEC is ``key=value`` pairs joined by ``,``: impl (ring|ulysses), layout (zigzag|contiguous), causal (0|1),
+doc (1: a packed batch of documents of different lengths), heads, kv_heads, seq, dtype (float32|bfloat16).
+Every rank builds the same full ``q, k, v`` and output gradient, runs the reference on the whole sequence,
+runs the parallel attention on its own tokens and records the relative error of its output and of its
+``q, k, v`` gradients against the reference's rows for those tokens. Rank 0 writes ``OUT/NAME.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from lightning_zero.sequence import SequenceLayout, attention_reference, ring_attention, ulysses_attention  # noqa: E402
+from tests.helpers.compare import tensor_rel  # noqa: E402
+from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+
+
+def packed_docs(batch: int, seq: int) -> torch.Tensor:
+    """Document ids of a packed batch: row b holds documents of lengths that differ per row."""
+    doc = torch.zeros(batch, seq, dtype=torch.int64)
+    for b in range(batch):
+        cuts = sorted({(seq * (b + 1)) // (b + 3), (seq * 2) // 3 + b})
+        for c in cuts:
+            doc[b, c:] += 1
+    return doc
+
+
+def run(name: str, spec: str, out: str) -> None:
+    opts = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
+    n, r = dist.get_world_size(), dist.get_rank()
+    heads, kv_heads = int(opts.get("heads", 4)), int(opts.get("kv_heads", opts.get("heads", 4)))
+    seq, batch, dim = int(opts.get("seq", 32)), 2, 8
+    causal = opts.get("causal", "1") == "1"
+    dtype = getattr(torch, opts.get("dtype", "float32"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, seq, dim, generator=g).to(dtype)
+    dout = torch.randn(batch, heads, seq, dim, generator=g).to(dtype)
+    doc = packed_docs(batch, seq) if opts.get("doc") == "1" else None
+
+    full = [t.clone().float().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*full, doc=doc, causal=causal)
+    ref.backward(dout.float())
+
+    layout = SequenceLayout(seq, n, opts.get("layout", "zigzag"))
+    local = [layout.shard(t, r, dim=2).clone().requires_grad_() for t in (q, k, v)]
+    local_doc = layout.shard(doc, r, dim=1) if doc is not None else None
+    fn = ring_attention if opts.get("impl", "ring") == "ring" else ulysses_attention
+    got = fn(*local, layout, None, doc=local_doc, causal=causal)
+    got.backward(layout.shard(dout, r, dim=2))
+
+    errors = {"out": tensor_rel(got.float(), layout.shard(ref.detach(), r, dim=2))}
+    for key, mine, whole in zip("qkv", local, full):
+        errors[f"d{key}"] = tensor_rel(mine.grad.float(), layout.shard(whole.grad, r, dim=2))
+    save_result({"spec": spec}, {"errors": errors, "dtype": str(got.dtype), "local_len": got.shape[2]}, out, name)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    run_specs(run)
+    dist.destroy_process_group()

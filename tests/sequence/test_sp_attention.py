@@ -1,0 +1,121 @@
+"""Attention across a sequence split (issue #30): the blockwise pieces against SDPA on one process, then
+ring and Ulysses attention over 2 and 4 gloo ranks against attention over the whole sequence (outputs and
+the gradients of q, k and v, per rank, for the tokens each rank holds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_zero.sequence import SequenceLayout, attention_reference, ring_attention, ulysses_attention
+from lightning_zero.sequence import blockwise as B
+from tests.helpers.compare import tensor_rel
+from tests.helpers.launch import run_worker
+from tests.sequence.sp_attn_worker import packed_docs
+
+TOL = 1e-5
+WORKER = "tests/sequence/sp_attn_worker.py"
+
+
+def _qkv(heads: int = 4, kv_heads: int = 4, seq: int = 24) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(2, h, seq, 8, generator=g) for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("doc", [False, True])
+def test_blocks_merged_in_any_order_equal_one_softmax(kv_heads: int, doc: bool) -> None:
+    q, k, v = _qkv(kv_heads=kv_heads)
+    docs = packed_docs(2, 24) if doc else None
+    pos = torch.arange(24)
+    ref = attention_reference(q, k, v, doc=docs)
+    out = torch.zeros(q.shape)
+    lse = torch.full(q.shape[:-1], float("-inf"))
+    for idx in [torch.arange(16, 24), torch.arange(0, 8), torch.arange(8, 16)]:  # blocks out of order
+        mask = B.visible(pos, pos[idx], docs, docs[:, idx] if doc else None, causal=True)
+        o_b, lse_b = B.block_forward(q, k[:, :, idx], v[:, :, idx], mask, B.default_scale(q, None))
+        out, lse = B.merge(out, lse, o_b, lse_b)
+    assert tensor_rel(out, ref) < TOL
+    full_lse = torch.logsumexp(B._scores(q, k, B.visible(pos, pos, docs, docs, True), B.default_scale(q, None)), -1)
+    assert torch.allclose(lse, full_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_block_backward_equals_autograd(kv_heads: int) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=kv_heads))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    ref = attention_reference(q, k, v)
+    ref.backward(dout)
+    pos, scale = torch.arange(24), B.default_scale(q, None)
+    dq, dk, dv = torch.zeros(q.shape), torch.zeros(k.shape), torch.zeros(v.shape)
+    mask = B.visible(pos, pos, None, None, True)
+    o, lse = B.block_forward(q.detach(), k.detach(), v.detach(), mask, scale)
+    delta = (dout * o).sum(-1)
+    for idx in [torch.arange(0, 12), torch.arange(12, 24)]:
+        m = B.visible(pos, pos[idx], None, None, True)
+        a, b, c = B.block_backward(q.detach(), k.detach()[:, :, idx], v.detach()[:, :, idx], m, scale, dout, lse, delta)
+        dq += a
+        dk[:, :, idx] += b
+        dv[:, :, idx] += c
+    for got, want in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+        assert tensor_rel(got, want) < TOL
+
+
+def test_zigzag_layout_balances_and_round_trips() -> None:
+    layout = SequenceLayout(16, 4, "zigzag")
+    assert layout.positions(0).tolist() == [0, 1, 14, 15] and layout.positions(3).tolist() == [6, 7, 8, 9]
+    work = [int((layout.positions(r) + 1).sum()) for r in range(4)]  # causal keys seen by each rank's queries
+    assert len(set(work)) == 1
+    x = torch.arange(2 * 16).view(2, 16)
+    assert torch.equal(layout.unshard([layout.shard(x, r) for r in range(4)]), x)
+    with pytest.raises(ValueError, match="pad it to a multiple of 8"):
+        SequenceLayout(12, 4, "zigzag")
+
+
+@pytest.mark.parametrize("fn", [ring_attention, ulysses_attention])
+def test_one_rank_is_plain_attention(fn) -> None:
+    q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=2))
+    out = fn(q, k, v, SequenceLayout(24, 1, "contiguous"), None)
+    assert tensor_rel(out, attention_reference(q, k, v)) < TOL
+
+
+def test_ulysses_refuses_heads_that_do_not_split() -> None:
+    q, k, v = _qkv(heads=3, kv_heads=3)
+    with pytest.raises(ValueError, match="use ring attention"):
+        import unittest.mock as mock
+
+        with mock.patch("lightning_zero.comm.collectives.world_size", return_value=2):
+            ulysses_attention(q, k, v, SequenceLayout(24, 2, "zigzag"), None)
+
+
+RUNS = {
+    "ring_zigzag": "impl=ring,layout=zigzag",
+    "ring_contiguous": "impl=ring,layout=contiguous",
+    "ring_gqa_docs": "impl=ring,kv_heads=2,doc=1",
+    "ring_full": "impl=ring,causal=0",
+    "ulysses_zigzag": "impl=ulysses,layout=zigzag",
+    "ulysses_contiguous": "impl=ulysses,layout=contiguous",
+    "ulysses_gqa_docs": "impl=ulysses,kv_heads=2,doc=1",
+    "ulysses_gqa_repeat": "impl=ulysses,heads=4,kv_heads=1",
+    "ring_bf16": "impl=ring,dtype=bfloat16",
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, RUNS, timeout=600, script=WORKER)
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("bf16")])
+def test_parallel_attention_matches_the_whole_sequence(ranks: dict[str, dict], name: str) -> None:
+    per_rank = ranks[name]["per_rank"]
+    for r, rec in enumerate(per_rank):
+        assert rec["local_len"] == 32 // len(per_rank)
+        bad = {k: e for k, e in rec["errors"].items() if not e < TOL}
+        assert not bad, (name, r, bad)
+
+
+def test_bf16_stays_bf16_and_close(ranks: dict[str, dict]) -> None:
+    for rec in ranks["ring_bf16"]["per_rank"]:
+        assert rec["dtype"] == "torch.bfloat16"
+        assert all(e < 2e-2 for e in rec["errors"].values()), rec["errors"]
