@@ -1,6 +1,9 @@
 """Attention across a sequence split (issue #30): the blockwise pieces against SDPA on one process, then
 ring and Ulysses attention over 2 and 4 gloo ranks against attention over the whole sequence (outputs and
-the gradients of q, k and v, per rank, for the tokens each rank holds)."""
+the gradients of q, k and v, per rank, for the tokens each rank holds), then HF models built from configs,
+unmodified (Llama; Qwen2, whose attention has biased projections; Mistral, whose sliding window is refused
+when it is shorter than the sequence), one step under sequence parallelism against the same model on the
+whole sequence in one process: logits, loss and every gradient; packed rows against the unpacked run."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from tests.helpers.launch import run_worker
 from tests.sequence.sp_attn_worker import packed_docs
 
 TOL = 1e-5
-WORKER = "tests/sequence/sp_attn_worker.py"
+WORKER = "tests/sequence/sp_model_worker.py"
 
 
 def _qkv(heads: int = 4, kv_heads: int = 4, seq: int = 24) -> list[torch.Tensor]:
@@ -99,11 +102,22 @@ RUNS = {
     "ulysses_gqa_repeat": "impl=ulysses,heads=4,kv_heads=1",
     "ring_bf16": "impl=ring,dtype=bfloat16",
 }
+MODELS = {
+    "llama_auto": "model=llama",
+    "llama_ring_contiguous": "model=llama,scheme=ring,layout=contiguous",
+    "llama_ulysses_packed": "model=llama,scheme=ulysses,packed=1",
+    "llama_ring_packed": "model=llama,scheme=ring,packed=1",
+    "qwen2_ulysses": "model=qwen2,scheme=ulysses",
+    "qwen2_ring_packed": "model=qwen2,scheme=ring,packed=1",
+    "mistral_window_covers": "model=mistral,window=64",
+    "mistral_window_refused": "model=mistral,window=8",
+}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, RUNS, timeout=600, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, {**RUNS, **MODELS}, timeout=900,
+                      script=WORKER)
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("bf16")])
@@ -119,3 +133,16 @@ def test_bf16_stays_bf16_and_close(ranks: dict[str, dict]) -> None:
     for rec in ranks["ring_bf16"]["per_rank"]:
         assert rec["dtype"] == "torch.bfloat16"
         assert all(e < 2e-2 for e in rec["errors"].values()), rec["errors"]
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if not n.endswith("refused")])
+def test_hf_models_match_the_whole_sequence(ranks: dict[str, dict], name: str) -> None:
+    for rec in ranks[name]["per_rank"]:
+        assert rec["attn"] == "lightning_zero_sp"
+        assert rec["packed_docs"] == ("packed" in name)
+        assert all(e < TOL for e in rec["errors"].values()), (name, rec["errors"])
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused(ranks: dict[str, dict]) -> None:
+    for rec in ranks["mistral_window_refused"]["per_rank"]:
+        assert "sliding-window attention (8 tokens) is not supported" in rec["error"]

@@ -1,0 +1,66 @@
+"""What attention needs to know about the sequence split, held by the model's attention modules.
+
+[Note: the sequence context]
+A ``SequenceContext`` is built once per sequence-parallel group and attached to each attention module of the
+model (``attach``: an attribute on the module, no global registry), so the attention function, which HF
+and our hook call with only the module and ``q, k, v``, finds the group, the layout and the scheme there.
+The one piece that changes per batch, the document ids of packed sequences, is set on it by the batch
+splitter (batch.py) before the forward, and cleared after.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.sequence.layout import SequenceLayout
+from lightning_zero.sequence.ring import ring_attention
+from lightning_zero.sequence.ulysses import ulysses_attention
+
+ATTRIBUTE = "_lz_sequence"
+"""The attribute of an attention module that holds its ``SequenceContext``."""
+
+SCHEMES = ("auto", "ulysses", "ring")
+
+
+@dataclass
+class SequenceContext:
+    """The sequence-parallel group of this rank, how a sequence is split over it, and which scheme attends."""
+
+    group: Optional[C.ProcessGroup]
+    layout: SequenceLayout
+    scheme: str = "auto"
+    """``ulysses`` (heads must divide by the group size), ``ring``, or ``auto``: Ulysses where heads divide."""
+    doc: Optional[Tensor] = field(default=None, repr=False)
+    """``[B, S_local]`` document ids of the current packed batch (batch.py), None for one document per row."""
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"sequence-parallel attention must be one of {SCHEMES}, got {self.scheme!r}")
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+        """``[B, H, S_local, D]`` attention over the group's whole sequence."""
+        n = C.world_size(self.group)
+        ring = self.scheme == "ring" or (self.scheme == "auto" and q.shape[1] % n != 0)
+        fn = ring_attention if ring else ulysses_attention
+        return fn(q, k, v, self.layout, self.group, doc=self.doc, causal=causal, scale=scale)
+
+
+def attach(modules: list[nn.Module], context: SequenceContext) -> None:
+    """Give each attention module the context its attention function reads."""
+    for module in modules:
+        setattr(module, ATTRIBUTE, context)
+
+
+def context_of(module: nn.Module) -> SequenceContext:
+    """The context ``attach`` gave ``module``; a clear error when attention runs on a module nobody split."""
+    context = getattr(module, ATTRIBUTE, None)
+    if context is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs sequence-parallel attention but has no sequence context: "
+            "it was not prepared by lightning_zero.sequence (attach)"
+        )
+    return context
