@@ -1,0 +1,108 @@
+"""The long-sequence memory pieces (issue #30 item 4) against the plain computation: the chunked
+cross-entropy against ``F.cross_entropy`` on the full logits, the tiled MLP against the untiled one (an HF
+Llama MLP and a nanoGPT-style MLP), and their memory effect counted by the storage autograd saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_zero.sequence.chunked_loss import chunked_cross_entropy
+from lightning_zero.sequence.tiled_mlp import tile, tile_mlps
+from tests.helpers.compare import tensor_rel
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves for the backward while ``fn`` runs (the activation
+    memory a training step keeps), counted through saved-tensor hooks."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_equals_full_logits(bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    b = torch.randn(50, generator=g, requires_grad=True) if bias else None
+    labels = torch.randint(0, 50, (2, 37), generator=g)
+    labels[0, :5] = -100
+    ref = F.cross_entropy(F.linear(hidden, weight, b).reshape(-1, 50), labels.reshape(-1), reduction="sum")
+    ref_grads = torch.autograd.grad(ref, [hidden, weight] + ([b] if bias else []))
+    got = chunked_cross_entropy(hidden, weight, labels, bias=b, chunk_tokens=8)
+    grads = torch.autograd.grad(got, [hidden, weight] + ([b] if bias else []))
+    assert abs(float(got.detach()) - float(ref.detach())) / float(ref.detach()) < 1e-6
+    for a, r in zip(grads, ref_grads):
+        assert tensor_rel(a, r) < 1e-5
+
+
+def test_chunked_loss_keeps_no_logits() -> None:
+    hidden = torch.randn(512, 32, requires_grad=True)
+    weight = torch.randn(1000, 32, requires_grad=True)
+    labels = torch.randint(0, 1000, (512,))
+    full, _ = _saved_bytes(lambda: F.cross_entropy(F.linear(hidden, weight), labels, reduction="sum"))
+    chunked, _ = _saved_bytes(lambda: chunked_cross_entropy(hidden, weight, labels, chunk_tokens=64))
+    logits_bytes = 512 * 1000 * 4
+    assert full >= logits_bytes  # the plain loss keeps the [tokens, vocab] logits (or their softmax)
+    assert chunked < logits_bytes / 4  # inputs only: hidden, weight, labels
+
+
+class NanoMLP(nn.Module):
+    """nanoGPT's MLP as its repository writes it."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+def _llama_mlp() -> nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    return LlamaMLP(LlamaConfig(hidden_size=32, intermediate_size=96))
+
+
+@pytest.mark.parametrize("make", [lambda: NanoMLP(32), _llama_mlp], ids=["nanogpt", "llama"])
+def test_tiled_mlp_equals_untiled_and_keeps_less(make) -> None:
+    torch.manual_seed(0)
+    plain = make()
+    tiled = make()
+    tiled.load_state_dict(plain.state_dict())
+    tile(tiled, 4)
+    assert list(tiled.state_dict()) == list(plain.state_dict())  # names and checkpoints unchanged
+    x = torch.randn(2, 64, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    plain_bytes, y = _saved_bytes(lambda: plain(x))
+    tiled_bytes, y2 = _saved_bytes(lambda: tiled(x2))
+    assert tensor_rel(y2, y) < 1e-6
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2.backward(dy)
+    assert tensor_rel(x2.grad, x.grad) < 1e-6
+    for (n, p), q in zip(plain.named_parameters(), tiled.parameters()):
+        assert tensor_rel(q.grad, p.grad) < 1e-5, n
+    assert tiled_bytes * 2 < plain_bytes  # only the tiles' inputs are kept, not the 4x intermediates
+
+
+def test_tile_mlps_finds_the_blocks_mlps() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    keys = list(model.state_dict())
+    assert tile_mlps(model, 2) == 3
+    assert list(model.state_dict()) == keys
