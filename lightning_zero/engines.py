@@ -328,7 +328,7 @@ class Engines:
 def _where_nonfinite(engine: ZeroEngine) -> str:
     """Collective (every rank skipped the same step): the first non-finite gradient any rank found in
     its shard, as words."""
-    found = [f for f in C.all_gather_object(engine.nonfinite_where, None) if f is not None]
+    found = [f for f in C.all_gather_object(engine.nonfinite_where, None) if isinstance(f, tuple)]  # (group, name)
     if not found:
         return "every gradient element is finite, the sum of their squares overflowed (gradients above ~1e19)"
     group, name = min(found, key=lambda f: f[0])

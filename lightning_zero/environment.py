@@ -32,7 +32,8 @@ def set_world_ranks(env: Optional[ClusterEnvironment], node_rank: int, local_ran
         return
     env.set_global_rank(node_rank * num_processes + local_rank)
     env.set_world_size(num_nodes * num_processes)
-    rank_zero_only.rank = utils_rank_zero_only.rank = env.global_rank()
+    # lightning declares no `rank` attribute on its rank_zero_only functions (it is set at run time):
+    rank_zero_only.rank = utils_rank_zero_only.rank = env.global_rank()  # type: ignore[attr-defined]
 
 
 def init_process_groups(config: ZeroConfig, env: Optional[ClusterEnvironment], world_size: int, global_rank: int,

@@ -176,7 +176,7 @@ class ZeroStrategy(ParallelStrategy):
         this, or the Trainer adds no DistributedSampler and every rank trains on the same data."""
         return True
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # lightning types the base property's setter as taking Optional[Precision] only
     def precision_plugin(self) -> ZeroPrecision:
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true", self._loss_scale)

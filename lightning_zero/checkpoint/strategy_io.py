@@ -212,7 +212,7 @@ class StrategyCheckpoints:
         outcome is shared: every rank raises the same one-line error (save_errors.py)."""
         local = "://" not in str(filepath) and storage_options is None
         final = Path(filepath)
-        outcome: Optional[tuple[int, str, Optional[int]]] = None
+        outcome: Any = None  # (errno, strerror, free bytes) of a failed write, shared by rank 0
         if self.owner.is_global_zero:
             target = atomic.new_partial_name(final) if local else filepath
             free = save_errors.free_bytes(final.parent) if local else None

@@ -80,7 +80,7 @@ class FabricCheckpoints:
             converted = self._convert(state, filter=filter or {})
             module_key, opt_keys = self._roles(state)
             self.core.refuse_nonfinite_full(
-                {"model": converted.get(module_key), "optimizer": [converted[k] for k in opt_keys]}, path)
+                {"model": converted.get(module_key) if module_key is not None else None, "optimizer": [converted[k] for k in opt_keys]}, path)
             self.core.write_full(converted, path, storage_options)
             return
         module_key, opt_keys = self._roles(state)
@@ -100,7 +100,7 @@ class FabricCheckpoints:
             value = obj.state_dict() if isinstance(obj, (_Stateful, Module, Optimizer)) else obj
             _apply_filter(key, filter or {}, value, checkpoint)
         checkpoint["state_dict"] = ShardedStateDict()
-        optimizers = [state[k] for k in opt_keys]
+        optimizers = [o for k in opt_keys if isinstance(o := state[k], Optimizer)]  # all of them (_roles)
         if optimizers:
             checkpoint["optimizer_states"] = [ShardedOptimizerState(i) for i in range(len(optimizers))]
         info = self.core.sharded_info(checkpoint)

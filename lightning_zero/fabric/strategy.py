@@ -183,7 +183,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         """The optimizers set up through this strategy, in order."""
         return list(self._optimizers)
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # lightning types the base property's setter as taking Optional[Precision] only
     def precision(self) -> ZeroFabricPrecision:
         plugin = self._precision
         return plugin if isinstance(plugin, ZeroFabricPrecision) else ZeroFabricPrecision("32-true", self._loss_scale)
