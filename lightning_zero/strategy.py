@@ -19,7 +19,7 @@ calls and in what order; neither holds ZeRO math (zero/, offload/).
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
@@ -91,7 +91,6 @@ class ZeroStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-        self.dims: Optional[ParallelDims] = None
         self._zero = Engines(self.config, lambda: self.precision_plugin)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
         self._pipeline: Optional[PipelineIntegration] = None
@@ -123,6 +122,11 @@ class ZeroStrategy(ParallelStrategy):
 
     def _set_world_ranks(self) -> None:
         E.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self._num_nodes)
+
+    @property
+    def dims(self) -> Optional[ParallelDims]:
+        """This job's process groups (parallel_dims.py); None before ``setup_environment``."""
+        return self._zero.dims
 
     @property
     def device_mesh(self) -> Optional["DeviceMesh"]:
@@ -162,7 +166,7 @@ class ZeroStrategy(ParallelStrategy):
         """What zero/compile.py compiled or made eager at the last setup (None: nothing to do)."""
         return self._zero.compile_plan
 
-    def gathered_params(self, module: Optional[torch.nn.Module] = None, writeback: bool = False) -> Any:
+    def gathered_params(self, module: Optional[torch.nn.Module] = None, writeback: bool = False) -> AbstractContextManager[None]:
         """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
         A no-op below stage 3. Under stage 3 it is collective: every rank must enter it."""
         return self._zero.gathered_params(module, writeback)
@@ -204,8 +208,8 @@ class ZeroStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._set_world_ranks()
-        self.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
-                                          self.root_device)
+        self._zero.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
+                                                self.root_device)
         self._checkpoints.setup_checkpointer()
         C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]
         self._zero.start_watchdog()  # failures.py [Note: failing once]
@@ -325,7 +329,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         # engines.py: reported once, no collectives from here on; an async save gets a bounded wait first
-        self._zero.fail(exception, lambda: self._checkpoints.checkpointer.wait_or_abandon(timeout_s=60.0))
+        self._zero.fail(exception, lambda: self._checkpoints.wait_or_abandon(timeout_s=60.0))
 
     @override
     def model_to_device(self) -> None:

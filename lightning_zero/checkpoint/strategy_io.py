@@ -131,6 +131,11 @@ class StrategyCheckpoints:
         if self._checkpointer is not None:
             self._checkpointer.wait()
 
+    def wait_or_abandon(self, timeout_s: float) -> None:
+        """After a failure: an async save still writing gets a bounded wait (no collective, no new group)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait_or_abandon(timeout_s=timeout_s)
+
     # ------------------------------------------------------------------ save
     def _refuse_full_format(self, what: str) -> None:
         """The full format (one gathered state dict) is not built under expert parallelism (experts.py

@@ -98,7 +98,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             precision=precision,
         )
         self._num_nodes = 1
-        self.dims: Optional[ParallelDims] = None
         self._zero = Engines(self.config, lambda: self.precision)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
         self._fabric_checkpoints = FabricCheckpoints(self._checkpoints, self._convert_stateful_objects_in_state)
@@ -143,6 +142,11 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         E.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self._num_nodes)
 
     @property
+    def dims(self) -> Optional[ParallelDims]:
+        """This job's process groups (parallel_dims.py); None before ``setup_environment``."""
+        return self._zero.dims
+
+    @property
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The ``("pp", "dp", "tp")`` DeviceMesh of this job (parallel_dims.py [Note: one mesh])."""
         return self.dims.mesh if self.dims is not None else None
@@ -174,7 +178,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def compile_plan(self) -> Optional[CompilePlan]:
         return self._zero.compile_plan
 
-    def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> Any:
+    def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> AbstractContextManager[None]:
         """Full parameters of ``module`` (default: all) inside the block; collective under stage 3."""
         return self._zero.gathered_params(module, writeback)
 
@@ -203,6 +207,11 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
                 zp = ZeroFabricPrecision(zp.precision, self._loss_scale)
         self._precision = zp
 
+    @property
+    def precision_plugin(self) -> ZeroFabricPrecision:
+        """The Trainer strategies' name for the precision plugin (kept: code written for both reads it)."""
+        return self.precision
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -215,8 +224,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._set_world_ranks()
-        self.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
-                                          self.root_device)
+        self._zero.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
+                                                self.root_device)
         self._checkpoints.setup_checkpointer()
         self._zero.failed = False
         C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]; Fabric calls no teardown

@@ -514,8 +514,9 @@ class ZeroEngine:
         self._hooks = []
 
     # ---------------------------------------------------------------- events every engine gets
-    # [Note: events, not engine classes] Engines (engines.py) sends every engine the same events; those
-    # that mean nothing to an engine are no-ops here, and stage3.py / offload/ override them. So nobody
+    # [Note: events, not engine classes]
+    # Engines (engines.py) sends every engine the same events; those that mean nothing to an engine are
+    # no-ops here, and stage3.py / offload/ override them (the offload engines' ``swap_dir``). So nobody
     # outside zero/ and offload/ asks which engine class it holds (tests/unit/test_structure.py checks).
     def inner_units(self) -> Optional[list["Unit"]]:
         """The units below the root that gather their parameters (stage 3); None: this engine has none."""
