@@ -150,18 +150,15 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
         if experts is not None and compressed_comm.uses_compressed_comm(opt):
             raise NotImplementedError(f"{type(opt).__name__} with expert_parallel > 1 is not built yet.")
         compressed_comm.attach_backend(opt, config.stage, dims.dp_group)  # 1-bit optimizers only
+        options: dict[str, Any] = dict(stage_options)
+        if dims.tp > 1:
+            options["tp_group"] = dims.tp_group
+        if experts is not None:
+            options["expert_comm"] = experts
+        if i == 0 and frozen:  # the first engine partitions the frozen parameters (stage3.py [Note: frozen parameters])
+            options["frozen_params"] = frozen
         engines.by_optimizer[id(opt)] = engine_cls(
-            opt,
-            dims.dp_group,
-            dtype,
-            device,
-            bucket_numel,
-            norm_groups=norm_groups,
-            param_names=names,
-            **({"tp_group": dims.tp_group} if dims.tp > 1 else {}),
-            **({"expert_comm": experts} if experts is not None else {}),
-            **stage_options,
-            **({"frozen_params": frozen} if i == 0 and frozen else {}),
+            opt, dims.dp_group, dtype, device, bucket_numel, norm_groups=norm_groups, param_names=names, **options
         )
 
 

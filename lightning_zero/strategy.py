@@ -213,6 +213,7 @@ class ZeroStrategy(ParallelStrategy):
         self._checkpoints.setup_checkpointer()
         C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]
         self._zero.start_watchdog()  # failures.py [Note: failing once]
+        assert self.dims is not None
         if self.lightning_module is not None:  # configure_model reads self.device_mesh, as under ModelParallelStrategy
             self.lightning_module._device_mesh = self.device_mesh
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
