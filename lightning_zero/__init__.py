@@ -7,7 +7,7 @@ lets ``load_from_checkpoint`` read lightning_zero's sharded checkpoint directori
 
 from lightning_zero.checkpoint.lightning_load import install as _install_sharded_load_from_checkpoint
 from lightning_zero.config import LossScaleConfig, ZeroConfig
-from lightning_zero.core import NonFiniteStepError
+from lightning_zero.engines import NonFiniteStepError
 from lightning_zero.fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.registry import PRESETS, register_everywhere

@@ -5,15 +5,22 @@ Reading order of one fit: ``setup_environment`` (process groups, via :class:`Par
 optimizer, the rest of the module cast to the compute dtype) -> per batch: ``backward`` (engine hooks
 reduce buckets) -> ``post_backward`` (engines finish reducing) -> ``optimizer_step`` (closure,
 Lightning's hooks and clipping request, ``engine.step``) -> checkpoints through
-``checkpoint/strategy_io.py`` -> ``teardown``. What the Fabric front door shares with this one is in
-core.py ([Note: one engine, two front doors]); this file keeps the Trainer's order of calls.
+``checkpoint/strategy_io.py`` -> ``teardown``.
+
+[Note: one engine, two front doors]
+``ZeroStrategy`` (this file, the Trainer's strategy class tree) and ``ZeroFabricStrategy``
+(fabric/strategy.py, Fabric's tree) derive from different Lightning base classes. What they share is
+held, not inherited: the distributed environment (environment.py), the setup sequence (apply.py's
+``apply_zero``), the engines and their per-step events (engines.py's ``Engines``) and the checkpoints
+(checkpoint/strategy_io.py's ``StrategyCheckpoints``). Each front door keeps only what its framework
+calls and in what order; neither holds ZeRO math (zero/, offload/).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional, Union
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -28,21 +35,32 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
+from lightning_zero import environment as E
+from lightning_zero.apply import ENGINES, apply_zero, place
+from lightning_zero.checkpoint.sharded import ShardedCheckpointer
+from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
+from lightning_zero.comm import collectives as C
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
-from lightning_zero.core import ENGINES, ZeroCore
+from lightning_zero.engines import Engines
+from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
+from lightning_zero.zero.compile import CompilePlan
+from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.materialize import params_on_meta
-from lightning_zero.zero.stage3 import Stage3Engine
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "ZeroStrategy"]
 
 
-class ZeroStrategy(ZeroCore, ParallelStrategy):
+class ZeroStrategy(ParallelStrategy):
     """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
 
     Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error
@@ -63,7 +81,8 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         loss_scale: Optional[Union[LossScaleConfig, dict]] = None,
         **options: Any,
     ) -> None:
-        self._init_core(stage, loss_scale, options)
+        self.config = ZeroConfig.from_kwargs(stage=stage, **options)
+        self._loss_scale = loss_scale  # read by the precision setter that Lightning's __init__ calls
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -72,19 +91,96 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self._num_nodes = 1
-
-    @property
-    def _zero_module(self) -> Optional[torch.nn.Module]:
-        return self.lightning_module
+        self._zero = Engines(self.config, lambda: self.precision_plugin)
+        self._checkpoints = StrategyCheckpoints(self._zero, self)
+        self._pipeline: Optional[PipelineIntegration] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is sharded by data-parallel rank only: the stages of one pipeline see the same batch."""
+        return E.sampler_kwargs(self.dims, self.num_nodes * self.num_processes, self.global_rank)
+
+    def _set_world_ranks(self) -> None:
+        E.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self._num_nodes)
+
+    @property
+    def dims(self) -> Optional[ParallelDims]:
+        """This job's process groups (parallel_dims.py); None before ``setup_environment``."""
+        return self._zero.dims
+
+    @property
+    def device_mesh(self) -> Optional["DeviceMesh"]:
+        """The ``("pp", "dp", "tp")`` DeviceMesh of this job (parallel_dims.py [Note: one mesh]), as
+        Lightning's ``ModelParallelStrategy`` exposes its own; ``configure_model`` applies tensor
+        parallelism with ``self.device_mesh["tp"]``. None before ``setup_environment``."""
+        return self.dims.mesh if self.dims is not None else None
+
+    @property
+    def expert_parallel_group(self) -> Optional[C.ProcessGroup]:
+        """This rank's expert-parallel group (``expert_parallel`` > 1; parallel_dims.py [Note:
+        expert-parallel groups]), for ``MoE(..., ep_group=...)`` built in ``configure_model``. None
+        before ``setup_environment`` and without expert parallelism."""
+        return self.dims.ep_group if self.dims is not None else None
+
+    # ------------------------------------------------------------------ what the engines report
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        return self._zero.engines
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm (unscaled, before clipping) of the last step, for logging."""
+        return self._zero.grad_norm
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self._zero.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank so far: fp16 overflows and non-finite steps (``nonfinite='skip'``)."""
+        return self._zero.skipped_steps
+
+    @property
+    def compile_plan(self) -> Optional[CompilePlan]:
+        """What zero/compile.py compiled or made eager at the last setup (None: nothing to do)."""
+        return self._zero.compile_plan
+
+    def gathered_params(self, module: Optional[torch.nn.Module] = None, writeback: bool = False) -> AbstractContextManager[None]:
+        """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
+        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it."""
+        return self._zero.gathered_params(module, writeback)
+
+    def _engine_of(self, optimizer: Any) -> Optional[ZeroEngine]:
+        return self._zero.of(optimizer)
+
     @property
     def is_distributed(self) -> bool:
         """Lightning's connector special-cases its own strategies by isinstance; custom ones must say
         this, or the Trainer adds no DistributedSampler and every rank trains on the same data."""
         return True
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # lightning types the base property's setter as taking Optional[Precision] only
     def precision_plugin(self) -> ZeroPrecision:
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true", self._loss_scale)
@@ -111,34 +207,40 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._setup_zero_environment()
+        self._set_world_ranks()
+        self._zero.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
+                                                self.root_device)
+        self._checkpoints.setup_checkpointer()
+        C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]
+        self._zero.start_watchdog()  # failures.py [Note: failing once]
         assert self.dims is not None
         if self.lightning_module is not None:  # configure_model reads self.device_mesh, as under ModelParallelStrategy
             self.lightning_module._device_mesh = self.device_mesh
         self._pipeline = PipelineIntegration(self.config, self.dims, self.root_device) if self.dims.pp > 1 else None
+        self._checkpoints.pipeline = self._pipeline
         if self._pipeline is not None:  # build only this stage's layers, before Lightning's hooks touch them
             self._pipeline.place(self.lightning_module)
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
-        assert self.accelerator is not None and self.model is not None
+        assert self.accelerator is not None and self.model is not None and self.dims is not None
         self.accelerator.setup(trainer)
         if self._pipeline is not None:  # this stage's layers only, tied copies made equal
             self._pipeline.prepare(self.model)
-        self._prepare_module(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._unshard_previous_engines()  # a second fit
-            self.setup_optimizers(trainer)
-            self._build_engines(self.lightning_module, self.optimizers, trainer.accumulate_grad_batches > 1)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+
+        def optimizers() -> list[Optimizer]:
+            self.setup_optimizers(trainer)  # Lightning's configure_optimizers, on the placed module
+            return self.optimizers
+
+        apply_zero(self.model, optimizers if fitting else None, self._zero, dims=self.dims, device=self.root_device,
+                   precision=self.precision_plugin,
+                   host=OffloadHost(self.num_processes, self.global_rank, trainer.accumulate_grad_batches > 1))
+        if fitting:
             if self._pipeline is None:  # pipeline stages run backward inside training_step, before Lightning's
                 # zero_grad (which comes between training_step and backward): it must not discard their gradients
-                self._route_zero_grad([*self.optimizers, *self._lightning_optimizers])
-            self._reserve_async_staging()
-        else:
-            for engine in self._engines.values():  # validate/test/predict after fit: gather per unit again
-                if isinstance(engine, Stage3Engine):
-                    engine.install_module_hooks()
-        self._finish_setup(self.model)
+                self._zero.route_zero_grad([*self.optimizers, *self._lightning_optimizers])
+            self._checkpoints.reserve_async_staging()
         self._lengths_checked_epoch: Optional[int] = None  # uneven.py [Note: uneven inputs], once per epoch
         if self._pipeline is not None:  # from now on pipe((inputs, labels)) runs the schedule
             self._pipeline.attach(trainer, self.engines, lambda: self.precision_plugin.loss_scale)
@@ -159,37 +261,37 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         """A new batch: the first of each kind (train, val, test, predict) runs under ReadWatch, from
         here to the next batch (read_watch.py)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._watch_first(_loop_kind(trainer))
+        self._zero.watch_first(_loop_kind(trainer))
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._begin_step("train"):
+        with self._zero.begin_step("train"):
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self._begin_step("val"):
+            with self._zero.begin_step("val"):
                 return super().validation_step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            self._zero.end_eval_step()
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self._begin_step("test"):
+            with self._zero.begin_step("test"):
                 return super().test_step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            self._zero.end_eval_step()
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self._begin_step("predict"):
+            with self._zero.begin_step("predict"):
                 return super().predict_step(*args, **kwargs)
         finally:
-            self._end_eval_step()
+            self._zero.end_eval_step()
 
     # ------------------------------------------------------------------ uneven inputs (uneven.py)
     @override
@@ -227,24 +329,25 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._note_failure(exception)  # core.py: reported once, no collectives from here on
+        # engines.py: reported once, no collectives from here on; an async save gets a bounded wait first
+        self._zero.fail(exception, lambda: self._checkpoints.wait_or_abandon(timeout_s=60.0))
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self._place(self.model)  # meta: materialised later, unit by unit
+        place(self.model, self.root_device)  # meta: materialised later, unit by unit
 
     # ------------------------------------------------------------------ training step plumbing
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning's gradient accumulation: stages 0/1 keep accumulating locally; stage 2 reduces anyway."""
-        with self._sync_blocked():
+        with self._zero.sync_blocked():
             yield None
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        self._post_backward()
+        self._zero.post_backward()
 
     @override
     def optimizer_step(
@@ -254,14 +357,13 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         model: Optional[Union["pl.LightningModule", torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        engine = self._engine_of(optimizer)
+        engine = self._zero.of(optimizer)
         if engine is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
         assert isinstance(model, pl.LightningModule)
-        self._before_backward(engine)
-        if hasattr(engine, "step_in_backward"):
-            engine.step_in_backward = self._step_can_run_in_backward(model)
+        self._zero.before_backward(engine)
+        engine.step_in_backward = self._step_can_run_in_backward(model)  # offload/eager.py; other engines ignore it
         result = closure()
         precision = self.precision_plugin
         precision._after_closure(model, optimizer)
@@ -269,15 +371,16 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
             return None
-        self._step_engine(engine, clip)
+        self._zero.step(engine, clip, self._step_index())
         return result
 
-    def _step_index(self, engine: Any) -> int:
-        """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch."""
+    def _step_index(self) -> Optional[int]:
+        """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch (for
+        messages); None: the engine's own count."""
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and len(self._engines) == 1:
+        if trainer is not None and len(self._zero) == 1:
             return int(trainer.global_step)
-        return super()._step_index(engine)
+        return None
 
     def _step_can_run_in_backward(self, model: "pl.LightningModule") -> bool:
         """Whether this step's coefficient is 1 before backward starts (offload/eager.py says why it matters)."""
@@ -305,23 +408,78 @@ class ZeroStrategy(ZeroCore, ParallelStrategy):
             self._pipeline.check_dataloader(dataloader, self.lightning_module.trainer.training)
         return dataloader
 
-    # ------------------------------------------------------------------ collectives for Lightning
-    # barrier, broadcast and all_gather: core.py (the same for both front ends)
+    # ------------------------------------------------------------------ collectives for Lightning (environment.py)
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        E.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return E.broadcast(obj, src)
+
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        return self._reduce(tensor, group, reduce_op)
+        return E.reduce(tensor, group, reduce_op)
 
-    # ------------------------------------------------------------------ checkpoints
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return E.all_gather(tensor, group)
+
+    # ------------------------------------------------------------------ checkpoints (checkpoint/strategy_io.py)
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
+    @property
+    def checkpointer(self) -> ShardedCheckpointer:
+        return self._checkpoints.checkpointer
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
+        (collective: every rank must call it)."""
+        return self._checkpoints.full_state_dict()
+
+    def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self._checkpoints.full_optimizer_state(optimizer)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint save has finished (raises its error, if any)."""
+        self._checkpoints.wait_for_checkpoint()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self._checkpoints.lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self._checkpoints.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        self._checkpoints.save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._checkpoints.remove_checkpoint(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._checkpoints.load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self._checkpoints.load_model_state_dict(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self._checkpoints.load_optimizer_state_dict(checkpoint)
+
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
-        self._teardown_engines()
-        if not self._engines:
+        self._zero.teardown(self._checkpoints.wait_for_checkpoint)
+        if not len(self._zero):
             super().teardown()
             return
         # Lightning's teardown moves the module and optimizer state to the CPU. Not here: the engines

@@ -117,7 +117,7 @@ class RankView:
         for engine in self.engines:
             if engine is None:
                 continue
-            for fg in getattr(engine, "all_groups", engine.groups):
+            for fg in engine.all_groups:
                 for si, slot in enumerate(fg.layout.slots):
                     out.setdefault(id(fg.params[slot.index]), (fg, si))
         return out

@@ -7,8 +7,10 @@ calls ``remove_checkpoint`` for checkpoints that fall out of the top-k; resuming
 ``load_checkpoint`` and later ``load_model_state_dict`` / ``load_optimizer_state_dict``. In the
 sharded format the first two return markers (no gather), and the two loads read the pieces.
 
-The mixin expects the strategy's ``config``, ``dims``, ``_engines``, ``_pipeline``, ``_orig_dtypes``,
-``optimizers``, ``_zero_module`` (the module the engines manage) and ``checkpoint_io``.
+The strategy holds a :class:`StrategyCheckpoints` built from its :class:`~lightning_zero.engines.Engines`
+(config, process groups, engines, the module they manage and its original dtypes) and from itself as a
+:class:`CheckpointOwner` (its CheckpointIO, its optimizers, whether it is rank 0, its device), and
+forwards Lightning's hooks to it; Fabric's hooks (fabric/checkpoint.py) use the same object.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -37,97 +40,129 @@ from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero import state_dict as zsd
 
+if TYPE_CHECKING:
+    from lightning_zero.engines import Engines
+    from lightning_zero.pipeline.integration import PipelineIntegration
+
 log = logging.getLogger(__name__)
 
 
-class CheckpointMixin:
-    """Checkpoint hooks of ZeroStrategy (see the module docstring)."""
+class CheckpointOwner(Protocol):
+    """What the checkpoints need of the strategy that holds them (both front doors have these)."""
 
-    _checkpointer: Optional[ShardedCheckpointer] = None
+    @property
+    def checkpoint_io(self) -> CheckpointIO: ...
+
+    @property
+    def optimizers(self) -> list[Optimizer]: ...
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+
+class StrategyCheckpoints:
+    """Checkpoint hooks of the ZeRO strategies (see the module docstring)."""
+
+    def __init__(self, engines: "Engines", owner: CheckpointOwner) -> None:
+        self.engines = engines
+        self.owner = owner
+        self.pipeline: Optional["PipelineIntegration"] = None
+        """The Trainer's pipeline integration (pipeline_stages > 1): merges and splits per-stage states."""
+        self._checkpointer: Optional[ShardedCheckpointer] = None
 
     # ------------------------------------------------------------------ set-up
-    def _setup_checkpointer(self) -> None:
+    def setup_checkpointer(self) -> None:
         """Collective: a gloo group of every rank for checkpoint I/O (sharded.py)."""
-        cfg = self.config  # type: ignore[attr-defined]
+        cfg = self.engines.config
         group = C.new_gloo_group(cfg.timeout_s) if C.is_initialized() and C.world_size() > 1 else None
         self._checkpointer = ShardedCheckpointer(group, cfg.checkpoint_threads, cfg.checkpoint_fsync, cfg.checkpoint_async)
 
-    def _reserve_async_staging(self) -> None:
+    def reserve_async_staging(self) -> None:
         """Async saves copy this rank's partitions into host memory: reserve it while training starts.
         Estimate: fp32 masters three times (weights and Adam's two moments), frozen partitions once."""
-        if not self.config.checkpoint_async:  # type: ignore[attr-defined]
+        if not self.engines.config.checkpoint_async:
             return
         total = 0
-        for engine in self._engines.values():  # type: ignore[attr-defined]
+        for engine in self.engines:
             total += sum(3 * fg.master.numel() * fg.master.element_size() for fg in engine.groups)
-            total += sum(fg.master.numel() * fg.master.element_size() for fg in getattr(engine, "frozen_groups", []))
-        total += sum(b.numel() * b.element_size() for b in self._zero_module.buffers())  # type: ignore[attr-defined]
-        self.checkpointer.reserve(int(total * 1.01) + 2**20, pin=self.root_device.type == "cuda")  # type: ignore[attr-defined]
+            total += sum(fg.master.numel() * fg.master.element_size() for fg in engine.frozen_groups)
+        module = self.engines.module
+        assert module is not None
+        total += sum(b.numel() * b.element_size() for b in module.buffers())
+        self.checkpointer.reserve(int(total * 1.01) + 2**20, pin=self.owner.root_device.type == "cuda")
 
     @property
     def checkpointer(self) -> ShardedCheckpointer:
         if self._checkpointer is None:  # a single process never went through setup_environment's group
-            self._setup_checkpointer()
+            self.setup_checkpointer()
         assert self._checkpointer is not None
         return self._checkpointer
 
-    def _sharded(self) -> bool:
-        return self.config.checkpoint_format == "sharded"  # type: ignore[attr-defined]
+    def sharded(self) -> bool:
+        return self.engines.config.checkpoint_format == "sharded"
 
-    def _rank_view(self, optimizers: Optional[list[Optimizer]] = None) -> L.RankView:
+    def rank_view(self, optimizers: Optional[list[Optimizer]] = None) -> L.RankView:
         """What this rank holds; ``optimizers``: those a checkpoint covers, in its order (default: all)."""
-        dims = self.dims  # type: ignore[attr-defined]
-        opts = list(self.optimizers if optimizers is None else optimizers)  # type: ignore[attr-defined]
+        dims = self.engines.dims
+        opts = list(self.owner.optimizers if optimizers is None else optimizers)
         return L.RankView(
-            module=self._zero_module,  # type: ignore[attr-defined]
+            module=self.engines.module,
             optimizers=opts,
-            engines=[self._engines.get(id(o)) for o in opts],  # type: ignore[attr-defined]
+            engines=[self.engines.of(o) for o in opts],
             dp_rank=dims.dp_rank if dims is not None else 0,
             dp_size=dims.dp if dims is not None else 1,
             pp_rank=dims.pp_rank if dims is not None else 0,
             pp_size=dims.pp if dims is not None else 1,
             global_rank=C.rank(),
-            orig_dtypes=dict(self._orig_dtypes),  # type: ignore[attr-defined]
-            experts=ExpertNames.of(self._zero_module),  # type: ignore[attr-defined]
+            orig_dtypes=dict(self.engines.orig_dtypes),
+            experts=ExpertNames.of(self.engines.module),
             edp_rank=dims.edp_rank if dims is not None else 0,
             edp_size=dims.edp if dims is not None else 1,
         )
 
-    def _host_state(self) -> Any:
-        return all_host_state(list(self._engines.values()))  # type: ignore[attr-defined]
+    def host_state(self) -> Any:
+        return all_host_state(list(self.engines))
 
     def wait_for_checkpoint(self) -> None:
         """Block until an asynchronous checkpoint save has finished (raises its error, if any)."""
         if self._checkpointer is not None:
             self._checkpointer.wait()
 
+    def wait_or_abandon(self, timeout_s: float) -> None:
+        """After a failure: an async save still writing gets a bounded wait (no collective, no new group)."""
+        if self._checkpointer is not None:
+            self._checkpointer.wait_or_abandon(timeout_s=timeout_s)
+
     # ------------------------------------------------------------------ save
     def _refuse_full_format(self, what: str) -> None:
         """The full format (one gathered state dict) is not built under expert parallelism (experts.py
         [Note: experts in sharded checkpoints]). Under tensor parallelism it is: tp_full.py."""
-        refuse_full_format(self.config.expert_parallel, what)  # type: ignore[attr-defined]
+        refuse_full_format(self.engines.config.expert_parallel, what)
 
     def _tp_group(self) -> Optional[Any]:
         """The tensor-parallel group when DTensor parameters are split over tp (None otherwise)."""
-        dims = self.dims  # type: ignore[attr-defined]
+        dims = self.engines.dims
         return dims.tp_group if dims is not None and dims.tp > 1 else None
 
     def full_state_dict(self) -> dict[str, Any]:
         """Full fp32 weights by name, loadable by the plain model: gathered onto every rank
         (collective: every rank must call it)."""
         self._refuse_full_format("A full state dict (checkpoint_format='full', full_state_dict())")
-        module = self._zero_module  # type: ignore[attr-defined]
+        module = self.engines.module
         assert module is not None
         state = module.state_dict()
         masters: dict[int, Tensor] = {}
-        for engine in self._engines.values():  # type: ignore[attr-defined]
+        for engine in self.engines:
             masters.update(zsd.full_master_params(engine))
         named = module.state_dict(keep_vars=True)
         keyed = {k: masters[id(v)] for k, v in named.items() if id(v) in masters}
         out = {}
         for k, v in state.items():
             value = local_tensor(keyed.get(k, v))  # a DTensor's TP block: made full below (tp_full.py)
-            want = self._orig_dtypes.get(k)  # type: ignore[attr-defined]
+            want = self.engines.orig_dtypes.get(k)
             if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:
                 raise RuntimeError(f"'{k}' is a released ZeRO-3 parameter that no engine holds a partition of.")
             if torch.is_tensor(value) and want is not None and value.dtype != want:
@@ -136,58 +171,58 @@ class CheckpointMixin:
         if self._tp_group() is not None:
             out = tp_full.full_weights(out, named, self._tp_group())
         out = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
-        pipeline = self._pipeline  # type: ignore[attr-defined]
+        pipeline = self.pipeline
         return pipeline.merge_state_dict(out) if pipeline is not None else out
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
         gathered); full format: :meth:`full_state_dict`."""
-        if self._sharded():
+        if self.sharded():
             return ShardedStateDict()
         return self.full_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        if self._sharded():
-            return ShardedOptimizerState([id(o) for o in self.optimizers].index(id(optimizer)))  # type: ignore[attr-defined]
-        return self._full_optimizer_state(optimizer)
+        if self.sharded():
+            return ShardedOptimizerState([id(o) for o in self.owner.optimizers].index(id(optimizer)))
+        return self.full_optimizer_state(optimizer)
 
-    def _full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """torch's per-parameter format, gathered from the partitions (collective)."""
         self._refuse_full_format("A full optimizer state (checkpoint_format='full')")
-        engine = self._engines.get(id(optimizer))  # type: ignore[attr-defined]
+        engine = self.engines.of(optimizer)
         if engine is None:
             return optimizer.state_dict()
         with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
             state = compressed_comm.add_comm_state(optimizer, zsd.gather_optimizer_state(engine))
         if self._tp_group() is not None:  # DTensor parameters' states are their TP blocks (tp_full.py)
             state = tp_full.full_optimizer_state(state, zsd.params_by_index(engine), self._tp_group())
-        pipeline = self._pipeline  # type: ignore[attr-defined]
+        pipeline = self.pipeline
         return pipeline.gather_optimizer_state(state) if pipeline is not None else state
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not isinstance(checkpoint.get("state_dict"), ShardedStateDict):
             if storage_options is None and atomic.Path(filepath).is_dir():
                 raise IsADirectoryError(f"{filepath} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
-            self._refuse_nonfinite_full(checkpoint, filepath)
-            self._write_full(checkpoint, filepath, storage_options)
+            self.refuse_nonfinite_full(checkpoint, filepath)
+            self.write_full(checkpoint, filepath, storage_options)
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
-        self.checkpointer.save(self._rank_view(), checkpoint, filepath, self._host_state, self._sharded_info(checkpoint))
+        self.checkpointer.save(self.rank_view(), checkpoint, filepath, self.host_state, self.sharded_info(checkpoint))
 
-    def _write_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
+    def write_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:
         """Rank 0 writes a full checkpoint file through the CheckpointIO; a local path goes through a hidden
         file renamed into place, so a failed write (a full disk) leaves the previous file as it was. The
         outcome is shared: every rank raises the same one-line error (save_errors.py)."""
         local = "://" not in str(filepath) and storage_options is None
         final = Path(filepath)
-        outcome = None
-        if self.is_global_zero:  # type: ignore[attr-defined]
+        outcome: Any = None  # (errno, strerror, free bytes) of a failed write, shared by rank 0
+        if self.owner.is_global_zero:
             target = atomic.new_partial_name(final) if local else filepath
             free = save_errors.free_bytes(final.parent) if local else None
             try:
-                self.checkpoint_io.save_checkpoint(checkpoint, target, storage_options=storage_options)  # type: ignore[attr-defined]
+                self.owner.checkpoint_io.save_checkpoint(checkpoint, target, storage_options=storage_options)
                 if local:
                     os.replace(target, final)
             except OSError as e:
@@ -198,9 +233,9 @@ class CheckpointMixin:
         if outcome is not None:
             needed = sum(t.numel() * t.element_size() for t in save_errors.tensors_of(checkpoint).values())
             kept = save_errors.previous_checkpoint(final, None) if local else None
-            raise save_errors.save_failed(final, OSError(outcome[0], outcome[1]), needed, outcome[2], kept) from None  # type: ignore[index]
+            raise save_errors.save_failed(final, OSError(outcome[0], outcome[1]), needed, outcome[2], kept) from None
 
-    def _refuse_nonfinite_full(self, checkpoint: Mapping[str, Any], filepath: Any) -> None:
+    def refuse_nonfinite_full(self, checkpoint: Mapping[str, Any], filepath: Any) -> None:
         """Collective: a full checkpoint whose weights or optimizer states hold NaN or inf is refused on
         every rank, before rank 0 writes (save_errors.py)."""
         kept = {k: checkpoint.get(k) for k in ("state_dict", "optimizer_states", "model", "optimizer")}
@@ -210,10 +245,10 @@ class CheckpointMixin:
             final = Path(filepath)
             save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, None))
 
-    def _sharded_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    def sharded_info(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """What ``meta.pt`` says about the run that wrote a sharded checkpoint."""
-        cfg = self.config  # type: ignore[attr-defined]
-        dims = self.dims  # type: ignore[attr-defined]
+        cfg = self.engines.config
+        dims = self.engines.dims
         return {
             "stage": cfg.stage,
             "world_size": C.world_size(),
@@ -253,29 +288,29 @@ class CheckpointMixin:
                 f"{atomic.META_FILE}: an interrupted save, or another library's format)."
             )
         torch.cuda.empty_cache()
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
+        return self.owner.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
 
-    def _refresh_from_masters(self) -> None:
-        for engine in self._engines.values():  # type: ignore[attr-defined]
+    def refresh_from_masters(self) -> None:
+        for engine in self.engines:
             engine.after_master_load()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         sd = checkpoint["state_dict"]
         if isinstance(sd, ShardedStateDict):
             assert sd.path is not None
-            self.checkpointer.load_weights(self._rank_view(), sd.path, strict, self._pipeline is not None,  # type: ignore[attr-defined]
-                                           self._host_state, self._refresh_from_masters)
+            self.checkpointer.load_weights(self.rank_view(), sd.path, strict, self.pipeline is not None,
+                                           self.host_state, self.refresh_from_masters)
             return
-        self._load_full_weights(sd, strict)
+        self.load_full_weights(sd, strict)
 
-    def _load_full_weights(self, sd: Mapping[str, Any], strict: bool) -> None:
+    def load_full_weights(self, sd: Mapping[str, Any], strict: bool) -> None:
         """A full state dict into the module and the engines' masters (stage 3: the masters only)."""
         self._refuse_full_format("Loading a full checkpoint file")
-        module = self._zero_module  # type: ignore[attr-defined]
+        module = self.engines.module
         assert module is not None
         if self._tp_group() is not None:  # each rank loads its TP blocks (tp_full.py)
             sd = tp_full.local_weights(sd, module.state_dict(keep_vars=True))
-        sharded = {id(p) for e in self._engines.values() for p in e.sharded_params()}  # type: ignore[attr-defined]
+        sharded = {id(p) for e in self.engines for p in e.sharded_params()}
         if sharded:  # stage 3: sharded parameters go to the masters only (their storage is released)
             names = {k for k, v in module.state_dict(keep_vars=True).items() if id(v) in sharded}
             missing = [k for k in names if k not in sd]
@@ -286,31 +321,31 @@ class CheckpointMixin:
                 raise KeyError(f"State dict mismatch: {result}")
         else:
             module.load_state_dict(sd, strict=strict)
-        if not self._engines:  # type: ignore[attr-defined]
+        if not len(self.engines):
             return
         values = {}
         for k, v in module.state_dict(keep_vars=True).items():
             if k in sd:
                 values[id(v)] = local_tensor(sd[k]).to(torch.float32)  # stays on the host: shards are sliced out of it
-        for engine in self._engines.values():  # type: ignore[attr-defined]
+        for engine in self.engines:
             zsd.load_master_params(engine, values)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         saved = checkpoint["optimizer_states"]
         if saved and isinstance(saved[0], ShardedOptimizerState):
             assert saved[0].path is not None
-            self.checkpointer.load_optimizers(self._rank_view(), saved[0].path, self._host_state)
+            self.checkpointer.load_optimizers(self.rank_view(), saved[0].path, self.host_state)
             return
-        for opt, state in zip(self.optimizers, saved):  # type: ignore[attr-defined]
-            self._load_full_optimizer_state(opt, state)
+        for opt, state in zip(self.owner.optimizers, saved):
+            self.load_full_optimizer_state(opt, state)
 
-    def _load_full_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> None:
+    def load_full_optimizer_state(self, opt: Optimizer, state: dict[str, Any]) -> None:
         """torch's per-parameter format into the partitions this rank holds."""
         self._refuse_full_format("Loading a full checkpoint file's optimizer state")
-        pipeline = self._pipeline  # type: ignore[attr-defined]
+        pipeline = self.pipeline
         if pipeline is not None:  # this stage's entry (pipeline/checkpoint.py)
             state = pipeline.local_optimizer_state(state)
-        engine = self._engines.get(id(opt))  # type: ignore[attr-defined]
+        engine = self.engines.of(opt)
         if engine is None:
             opt.load_state_dict(state)
         else:

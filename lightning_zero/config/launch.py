@@ -1,4 +1,4 @@
-"""How the processes and their process groups are started (core.py's setup_environment reads these)."""
+"""How the processes and their process groups are started (environment.py's init_process_groups reads these)."""
 
 from __future__ import annotations
 

@@ -30,20 +30,26 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint import atomic
 from lightning_zero.checkpoint.consolidate import load_consolidated
 from lightning_zero.checkpoint.sharded import ShardedOptimizerState, ShardedStateDict, read_meta
+from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
 
 RESERVED = ("state_dict", "optimizer_states")
 """Keys of the sharded format's markers: not usable as names in a Fabric state."""
 
 
-class FabricCheckpointMixin:
-    """Fabric's checkpoint hooks of ZeroFabricStrategy (see the Note). Put before ZeroCore: these
-    signatures are Fabric's, CheckpointMixin's are the Trainer's."""
+class FabricCheckpoints:
+    """Fabric's checkpoint hooks of ZeroFabricStrategy (see the Note), on the strategy's
+    :class:`StrategyCheckpoints` (whose hooks have the Trainer's signatures). ``convert``: Fabric's
+    ``Strategy._convert_stateful_objects_in_state`` (the state's objects as state dicts, filtered)."""
+
+    def __init__(self, core: StrategyCheckpoints, convert: Callable[..., dict[str, Any]]) -> None:
+        self.core = core
+        self._convert = convert
 
     # ------------------------------------------------------------------ what a state holds
     def _roles(self, state: dict[str, Any]) -> tuple[Optional[str], list[str]]:
         """The key of the set-up model (None: not in the state) and the keys of set-up optimizers."""
-        module = self._zero_module  # type: ignore[attr-defined]
-        mine = {id(o) for o in self.optimizers}  # type: ignore[attr-defined]
+        module = self.core.engines.module
+        mine = {id(o) for o in self.core.owner.optimizers}
         module_keys = [k for k, v in state.items() if module is not None and v is module]
         if len(module_keys) > 1:
             raise ValueError(f"The model appears under several keys of the state: {module_keys}.")
@@ -53,13 +59,13 @@ class FabricCheckpointMixin:
     # ------------------------------------------------------------------ save
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """Full fp32 weights (gathered: collective)."""
-        if module is not self._zero_module:  # type: ignore[attr-defined]
+        if module is not self.core.engines.module:
             return module.state_dict()
-        return self.full_state_dict()  # type: ignore[attr-defined]
+        return self.core.full_state_dict()
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """torch's per-parameter format, gathered from the partitions (collective)."""
-        return self._full_optimizer_state(optimizer)  # type: ignore[attr-defined]
+        return self.core.full_optimizer_state(optimizer)
 
     def save_checkpoint(
         self,
@@ -68,14 +74,14 @@ class FabricCheckpointMixin:
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
-        if not self._sharded():  # type: ignore[attr-defined]
+        if not self.core.sharded():
             if storage_options is None and atomic.Path(path).is_dir():
                 raise IsADirectoryError(f"{path} is a directory (a sharded checkpoint?); cannot write a full checkpoint file there.")
-            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})  # type: ignore[attr-defined]
+            converted = self._convert(state, filter=filter or {})
             module_key, opt_keys = self._roles(state)
-            self._refuse_nonfinite_full(  # type: ignore[attr-defined]
-                {"model": converted.get(module_key), "optimizer": [converted[k] for k in opt_keys]}, path)
-            self._write_full(converted, path, storage_options)  # type: ignore[attr-defined]
+            self.core.refuse_nonfinite_full(
+                {"model": converted.get(module_key) if module_key is not None else None, "optimizer": [converted[k] for k in opt_keys]}, path)
+            self.core.write_full(converted, path, storage_options)
             return
         module_key, opt_keys = self._roles(state)
         if filter and any(k in filter for k in [module_key, *opt_keys] if k is not None):
@@ -94,13 +100,13 @@ class FabricCheckpointMixin:
             value = obj.state_dict() if isinstance(obj, (_Stateful, Module, Optimizer)) else obj
             _apply_filter(key, filter or {}, value, checkpoint)
         checkpoint["state_dict"] = ShardedStateDict()
-        optimizers = [state[k] for k in opt_keys]
+        optimizers = [o for k in opt_keys if isinstance(o := state[k], Optimizer)]  # all of them (_roles)
         if optimizers:
             checkpoint["optimizer_states"] = [ShardedOptimizerState(i) for i in range(len(optimizers))]
-        info = self._sharded_info(checkpoint)  # type: ignore[attr-defined]
+        info = self.core.sharded_info(checkpoint)
         info.update(front_end="fabric", fabric_keys={"module": module_key, "optimizers": opt_keys},
                     lightning_version=lightning.__version__)
-        self.checkpointer.save(self._rank_view(optimizers), checkpoint, path, self._host_state, info)  # type: ignore[attr-defined]
+        self.core.checkpointer.save(self.core.rank_view(optimizers), checkpoint, path, self.core.host_state, info)
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(
@@ -117,14 +123,14 @@ class FabricCheckpointMixin:
                 f"{path} is a directory but not a complete lightning_zero sharded checkpoint (it lacks .metadata or "
                 f"{atomic.META_FILE}: an interrupted save, or another library's format)."
             )
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)  # type: ignore[attr-defined]
+        checkpoint = self.core.owner.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not state:
             return checkpoint
         if isinstance(state, Module):  # fabric.load_raw: a state dict, or a consolidated checkpoint's
             self.load_module_state_dict(state, _raw_weights(checkpoint, state), strict)
             return {}
         if isinstance(state, Optimizer):
-            self._load_full_optimizer_state(state, checkpoint)  # type: ignore[attr-defined]
+            self.core.load_full_optimizer_state(state, checkpoint)
             return {}
         _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
         for name, obj in list(state.items()):
@@ -133,7 +139,7 @@ class FabricCheckpointMixin:
             if isinstance(obj, Module):
                 self.load_module_state_dict(obj, checkpoint.pop(name), strict)
             elif isinstance(obj, Optimizer):
-                self._load_full_optimizer_state(obj, checkpoint.pop(name))  # type: ignore[attr-defined]
+                self.core.load_full_optimizer_state(obj, checkpoint.pop(name))
             elif isinstance(obj, _Stateful):
                 obj.load_state_dict(checkpoint.pop(name))
             else:
@@ -141,10 +147,10 @@ class FabricCheckpointMixin:
         return checkpoint
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        if module is not self._zero_module:  # type: ignore[attr-defined]
+        if module is not self.core.engines.module:
             module.load_state_dict(state_dict, strict=strict)
             return
-        self._load_full_weights(state_dict, strict)  # type: ignore[attr-defined]
+        self.core.load_full_weights(state_dict, strict)
 
     def _load_sharded(self, path: Path, state: Any, strict: bool) -> dict[str, Any]:
         meta = read_meta(path)
@@ -173,12 +179,12 @@ class FabricCheckpointMixin:
         if keys["optimizers"] and set(opt_keys) == set(keys["optimizers"]):
             view_optimizers = list(keys["optimizers"])  # the order they were saved in
         if module_key is not None:
-            self.checkpointer.load_weights(  # type: ignore[attr-defined]
-                self._rank_view(), str(path), strict, False, self._host_state, self._refresh_from_masters  # type: ignore[attr-defined]
+            self.core.checkpointer.load_weights(
+                self.core.rank_view(), str(path), strict, False, self.core.host_state, self.core.refresh_from_masters
             )
         if view_optimizers:
-            self.checkpointer.load_optimizers(  # type: ignore[attr-defined]
-                self._rank_view([state[k] for k in view_optimizers]), str(path), self._host_state  # type: ignore[attr-defined]
+            self.core.checkpointer.load_optimizers(
+                self.core.rank_view([state[k] for k in view_optimizers]), str(path), self.core.host_state
             )
         for name, obj in list(state.items()):
             if name == module_key or name in opt_keys or name not in saved:

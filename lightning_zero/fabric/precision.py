@@ -3,7 +3,7 @@
 Fabric casts the module (``precision.convert_module``) inside ``fabric.setup`` *before* the strategy
 sees it; a 16-bit cast then would leave the fp32 masters only bf16-accurate. So this plugin's
 ``convert_module`` does nothing and the strategy casts once the engines hold their fp32 masters
-(core.py ``_finish_setup``, as under the Trainer). Outputs leave the module in fp32, as Fabric's
+(apply.py ``finish_setup``, as under the Trainer). Outputs leave the module in fp32, as Fabric's
 own half-precision plugins return them, so a loss computed outside the module is fp32 too.
 Loss scaling and clipping are driven by the strategy (fabric/strategy.py), not by Fabric's
 ``pre_backward``/``clip_gradients`` paths of the base class.

@@ -1,6 +1,6 @@
 """ZeroFabricStrategy: Lightning Fabric's front door to the ZeRO engines. No ZeRO math lives here.
 
-Reading order of a Fabric loop: ``setup_environment`` (process groups, core.py) ->
+Reading order of a Fabric loop: ``setup_environment`` (process groups, environment.py) ->
 ``module_init_context`` (stage 3 with ``empty_init=True``: parameters on the meta device) ->
 ``setup_module_and_optimizers`` (module placed and made identical on every rank, one engine per
 optimizer, stage 3 materialising unit by unit, the module cast to the compute dtype) -> per batch:
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -37,14 +37,25 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero import environment as E
+from lightning_zero.apply import build_engines, finish_setup, place, prepare_module
+from lightning_zero.checkpoint.sharded import ShardedCheckpointer
+from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
+from lightning_zero.comm import collectives as C
 from lightning_zero.config import LossScaleConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
-from lightning_zero.core import ZeroCore
-from lightning_zero.fabric.checkpoint import FabricCheckpointMixin
+from lightning_zero.engines import Engines
+from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.materialize import params_on_meta
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 PIPELINE_REFUSAL = (
     "lightning_zero's pipeline parallelism (pipeline_stages > 1) runs through the Trainer only: its schedule "
@@ -53,7 +64,7 @@ PIPELINE_REFUSAL = (
 )
 
 
-class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     """DeepSpeed's ZeRO for Lightning Fabric: ``Fabric(strategy="zero3")`` or
     ``Fabric(strategy=ZeroFabricStrategy(stage=3, offload_optimizer="cpu"))``.
 
@@ -75,7 +86,8 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
         loss_scale: Optional[Union[LossScaleConfig, dict]] = None,
         **options: Any,
     ) -> None:
-        self._init_core(stage, loss_scale, options)
+        self.config = ZeroConfig.from_kwargs(stage=stage, **options)
+        self._loss_scale = loss_scale  # read by the precision setter that Fabric's __init__ calls
         if self.config.pipeline_stages > 1:
             raise NotImplementedError(PIPELINE_REFUSAL)
         super().__init__(
@@ -86,7 +98,10 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
             precision=precision,
         )
         self._num_nodes = 1
-        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._zero = Engines(self.config, lambda: self.precision)
+        self._checkpoints = StrategyCheckpoints(self._zero, self)
+        self._fabric_checkpoints = FabricCheckpoints(self._checkpoints, self._convert_stateful_objects_in_state)
+        self._backward_sync_control = _ZeroBackwardSyncControl(self._zero)
         self._module: Optional[Module] = None
         self._optimizers: list[Optimizer] = []
         self._hooks: list[Any] = []
@@ -99,15 +114,80 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
 
     # ------------------------------------------------------------------ Fabric plumbing
     @property
-    def _zero_module(self) -> Optional[Module]:
-        return self._module
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is sharded by data-parallel rank only."""
+        return E.sampler_kwargs(self.dims, self.num_nodes * self.num_processes, self.global_rank)
+
+    def _set_world_ranks(self) -> None:
+        """Fabric's connector calls it under this name too, so ``fabric.global_rank`` is right before launch."""
+        E.set_world_ranks(self.cluster_environment, self.node_rank, self.local_rank, self.num_processes, self._num_nodes)
+
+    @property
+    def dims(self) -> Optional[ParallelDims]:
+        """This job's process groups (parallel_dims.py); None before ``setup_environment``."""
+        return self._zero.dims
+
+    @property
+    def device_mesh(self) -> Optional["DeviceMesh"]:
+        """The ``("pp", "dp", "tp")`` DeviceMesh of this job (parallel_dims.py [Note: one mesh])."""
+        return self.dims.mesh if self.dims is not None else None
+
+    @property
+    def expert_parallel_group(self) -> Optional[C.ProcessGroup]:
+        """This rank's expert-parallel group (``expert_parallel`` > 1), None before ``setup_environment``."""
+        return self.dims.ep_group if self.dims is not None else None
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        return self._zero.engines
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm (unscaled, before clipping) of the last step, for logging."""
+        return self._zero.grad_norm
+
+    @property
+    def loss_scale(self) -> Optional[float]:
+        return self._zero.loss_scale
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank so far: fp16 overflows and non-finite steps (``nonfinite='skip'``)."""
+        return self._zero.skipped_steps
+
+    @property
+    def compile_plan(self) -> Optional[CompilePlan]:
+        return self._zero.compile_plan
+
+    def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> AbstractContextManager[None]:
+        """Full parameters of ``module`` (default: all) inside the block; collective under stage 3."""
+        return self._zero.gathered_params(module, writeback)
 
     @property
     def optimizers(self) -> list[Optimizer]:
         """The optimizers set up through this strategy, in order."""
         return list(self._optimizers)
 
-    @property  # type: ignore[override]
+    @property  # type: ignore[override]  # lightning types the base property's setter as taking Optional[Precision] only
     def precision(self) -> ZeroFabricPrecision:
         plugin = self._precision
         return plugin if isinstance(plugin, ZeroFabricPrecision) else ZeroFabricPrecision("32-true", self._loss_scale)
@@ -129,7 +209,7 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
 
     @property
     def precision_plugin(self) -> ZeroFabricPrecision:
-        """The name core.py reads (the Trainer's strategies call it so)."""
+        """The Trainer strategies' name for the precision plugin (kept: code written for both reads it)."""
         return self.precision
 
     @override
@@ -143,12 +223,17 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._set_world_ranks()
+        self._zero.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
+                                                self.root_device)
+        self._checkpoints.setup_checkpointer()
+        self._zero.failed = False
+        C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]; Fabric calls no teardown
         # No peer watchdog: Fabric calls no teardown or exception hook that would stop its thread.
-        self._setup_zero_environment(watchdog=False)
 
     @override
     def module_to_device(self, module: Module) -> None:
-        self._place(module)  # meta parameters stay: materialised unit by unit
+        place(module, self.root_device)  # meta parameters stay: materialised unit by unit
 
     # ------------------------------------------------------------------ building the model
     @override
@@ -195,8 +280,9 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
                 "networks (a GAN's generator and discriminator) in one nn.Module and give each its own optimizer."
             )
         if self._module is None:
-            self._unshard_previous_engines()
-            self._prepare_module(module)
+            assert self.dims is not None
+            self._zero.unshard_to_plain()
+            prepare_module(self._zero, module, self.dims, self.root_device)
             self._module = module
             self._hooks = [
                 module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -212,21 +298,24 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
                 "ZeRO stage 3 partitions the model together with all its optimizers: set them up in one call, "
                 "`fabric.setup(model, opt1, opt2)` or `fabric.setup_optimizers(opt1, opt2)` right after setup_module."
             )
-        if self._ready and self._engines and any(p.dtype != torch.float32 for p in self._module.parameters()):
+        if self._ready and len(self._zero) and any(p.dtype != torch.float32 for p in self._module.parameters()):
             raise RuntimeError("Set every optimizer up before the first forward: the module is cast to 16 bits by then.")
         new = [getattr(o, "optimizer", o) for o in optimizers]
-        self._build_engines(self._module, [*self._optimizers, *new], accumulate=True, only=new)
+        assert self.dims is not None
+        build_engines(self._zero, self._module, [*self._optimizers, *new], dims=self.dims, device=self.root_device,
+                      precision=self.precision, host=OffloadHost(self.num_processes, self.global_rank, True), only=new)
         self._optimizers += new
         for opt in new:
-            engine = self._engines[id(opt)]
+            engine = self._zero.of(opt)
+            assert engine is not None
             _route_zero_grad(opt, engine)
         self._finish()
-        self._reserve_async_staging()
+        self._checkpoints.reserve_async_staging()
 
     def _finish(self) -> None:
         if not self._ready:
             assert self._module is not None
-            self._finish_setup(self._module)
+            finish_setup(self._zero, self._module, self.root_device, self.precision)
             self._ready = True
 
     # ------------------------------------------------------------------ one step
@@ -244,29 +333,27 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
         if self._backward_pending:
             return  # a second forward of the same step (its root unit is gathered already)
         kind = "train" if torch.is_grad_enabled() else "val"
-        self._watch_first(kind)
-        self._start_step(kind)
-        if self._watch is not None:
-            self._watch.gathering = True
+        self._zero.watch_first(kind)
+        self._zero.start_step(kind)
+        self._zero.set_gathering(True)
 
     def _post_forward(self, module: Module, args: Any, output: Any) -> None:
-        if self._watch is not None:
-            self._watch.gathering = False
+        self._zero.set_gathering(False)
         if torch.is_grad_enabled():
             self._backward_pending = True
         else:
-            self._end_eval_step()
+            self._zero.end_eval_step()
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """The loss scaled (fp16), backward (engine hooks reduce buckets), the reductions finished."""
-        for engine in self._engines.values():
-            self._before_backward(engine)
+        for engine in self._zero:
+            self._zero.before_backward(engine)
         scaler = self.precision.scaler
         if scaler is not None:
             tensor = tensor * scaler.scale
         tensor.backward(*args, **kwargs)
-        self._post_backward()
+        self._zero.post_backward()
         self._backward_pending = False
 
     @override
@@ -312,11 +399,11 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._step_engine(engine, self._clip.pop(id(engine), None))
+        self._zero.step(engine, self._clip.pop(id(engine), None))
         return result
 
     def _engine_or_raise(self, optimizer: Any) -> ZeroEngine:
-        engine = self._engine_of(getattr(optimizer, "optimizer", optimizer))
+        engine = self._zero.of(getattr(optimizer, "optimizer", optimizer))
         if engine is None:
             raise RuntimeError(
                 f"{type(optimizer).__name__} was not set up by this strategy: pass it to `fabric.setup(model, optimizer)` "
@@ -324,17 +411,64 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
             )
         return engine
 
-    # ------------------------------------------------------------------ collectives (the rest: core.py)
+    # ------------------------------------------------------------------ collectives (environment.py)
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        E.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return E.broadcast(obj, src)
+
     @override
     def all_reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        return self._reduce(tensor, group, reduce_op)
+        return E.reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        return E.all_gather(tensor, group)
+
+    # ------------------------------------------------------------------ checkpoints (fabric/checkpoint.py)
+    @property
+    def checkpointer(self) -> ShardedCheckpointer:
+        return self._checkpoints.checkpointer
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Full fp32 weights by name (gathered onto every rank: collective)."""
+        return self._checkpoints.full_state_dict()
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until an asynchronous checkpoint save has finished (raises its error, if any)."""
+        self._checkpoints.wait_for_checkpoint()
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        return self._fabric_checkpoints.get_module_state_dict(module)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return self._fabric_checkpoints.get_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Any]] = None) -> None:
+        self._fabric_checkpoints.save_checkpoint(path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return self._fabric_checkpoints.load_checkpoint(path, state, strict, weights_only)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self._fabric_checkpoints.load_module_state_dict(module, state_dict, strict)
 
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
         """Engines finished (offload threads, swap files); parameters are not moved to the CPU (the
         engines keep their partitions, a save afterwards still works)."""
-        self._teardown_engines()
+        self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -354,12 +488,12 @@ class ZeroFabricStrategy(FabricCheckpointMixin, ZeroCore, ParallelStrategy, _Sha
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradients accumulate locally (stages 0-1) while it is on."""
 
-    def __init__(self, strategy: ZeroFabricStrategy) -> None:
-        self._strategy = strategy
+    def __init__(self, engines: Engines) -> None:
+        self._engines = engines
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        return self._strategy._sync_blocked() if enabled else nullcontext()
+        return self._engines.sync_blocked() if enabled else nullcontext()
 
 
 def _route_zero_grad(optimizer: Optimizer, engine: ZeroEngine) -> None:

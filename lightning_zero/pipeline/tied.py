@@ -116,7 +116,7 @@ def count_tied_once(engine: ZeroEngine, copies: Sequence[TiedCopy]) -> None:
     copy's by 1/tp, a TP-sharded copy's pieces by 1, then summed over tp as well.
     """
     dup_ids = {id(p) for c in copies if not c.owner for p in c.params}
-    tp = getattr(engine, "tp_size", 1)
+    tp = engine.tp_size
     pieces: list[tuple[int, int, int, float]] = []  # (group index, start in shard, length, weight)
     for gi, fg in enumerate(engine.groups):
         shard = fg.shard if fg.layout.num_shards > 1 else 0

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -54,6 +54,12 @@ from lightning_zero.zero.partition import build_layout
 from lightning_zero.zero.shard_comm import ShardComm, place_param_groups
 from lightning_zero.zero.unused import GroupPlan, UsedParams, planned_masters, set_group_steps
 from lightning_zero.zero.wrappable import check_wrappable
+
+if TYPE_CHECKING:
+    from torch.nn import Module
+    from torch.utils.hooks import RemovableHandle
+
+    from lightning_zero.zero.units import Unit
 
 
 def squared_norm(t: Tensor) -> Tensor:
@@ -122,6 +128,13 @@ class ZeroEngine:
         """False while a compressed optimizer averages momentum itself: gradients stay local (stage 0
         only; see lightning_zero/comm/compressed/protocol.py). Set by the strategy before each step."""
         self.groups: list[FlatParamGroup] = []
+        self.frozen_groups: list[FlatParamGroup] = []
+        """Partitions of parameters no optimizer steps (stage 3 only, stage3.py [Note: frozen parameters])."""
+        self.all_groups: list[FlatParamGroup] = self.groups
+        """``groups + frozen_groups``, the index space of unit buckets (below stage 3: ``groups`` itself)."""
+        self.step_in_backward = False
+        """Set by the strategy before each step: this step's coefficient is known to be 1 before backward,
+        so an offloading engine may run its host update during backward (offload/eager.py); others ignore it."""
         self.original_params: list[list[Parameter]] = []
         """Each param group's parameters as the user gave them (torch's state-dict numbering)."""
         self.stage_options = stage_options
@@ -407,8 +420,8 @@ class ZeroEngine:
     # A skipped step touches nothing: the optimizer is not called (no moment update, no step count,
     # no weight decay), the masters and 16-bit weights are not written, the gradients are dropped. Only
     # then, on that rare path, is the first non-finite gradient looked for (``nonfinite_where``, this
-    # rank's shard only: core.py gathers the ranks' findings to name it). The policy (skip, error,
-    # ignore; how many skips in a row) is the strategy's: core.py ``_step_engine``.
+    # rank's shard only: engines.py gathers the ranks' findings to name it). The policy (skip, error,
+    # ignore; how many skips in a row) is engines.py's ``Engines.step``.
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None,
              check_finite: bool = False) -> bool:
         """Unscale, clip by the global norm, step the master shard, write back. False when skipped: an
@@ -499,6 +512,40 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    # ---------------------------------------------------------------- events every engine gets
+    # [Note: events, not engine classes]
+    # Engines (engines.py) sends every engine the same events; those that mean nothing to an engine are
+    # no-ops here, and stage3.py / offload/ override them (the offload engines' ``swap_dir``). So nobody
+    # outside zero/ and offload/ asks which engine class it holds (tests/unit/test_structure.py checks).
+    def inner_units(self) -> Optional[list["Unit"]]:
+        """The units below the root that gather their parameters (stage 3); None: this engine has none."""
+        return None
+
+    def begin_step(self) -> None:
+        """A training, validation, test or predict step starts (stage 3 gathers its root unit)."""
+
+    def end_eval_step(self) -> None:
+        """An evaluation step ended (stage 3 releases what it gathered)."""
+
+    @contextmanager
+    def gathered_params(self, module: Optional["Module"] = None, writeback: bool = False) -> Generator[None, None, None]:
+        """Full parameters inside the block: below stage 3 they always are."""
+        yield
+
+    def install_module_hooks(self) -> None:
+        """Validate/test/predict after fit: forward hooks back on (stage 3 gathers unit by unit)."""
+
+    def unshard_to_plain(self) -> None:
+        """A second setup: parameters get their full storage back (stage 3; collective there)."""
+
+    def guard_released(self, module: "Module") -> list["RemovableHandle"]:
+        """After teardown: hooks that make a call of a released module fail naming the fix (stage 3)."""
+        return []
+
+    def swap_dir(self) -> Optional[str]:
+        """This rank's NVMe swap directory (offload to NVMe), removed when a peer failed."""
+        return None
 
     # ---------------------------------------------------------------- inspection
     def param_shards(self, trainable: bool = True, frozen: bool = True) -> list[Tensor]:

@@ -30,6 +30,7 @@ from torch.nn import Parameter
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
+    from lightning_zero.zero.engine import ZeroEngine
     from lightning_zero.zero.stage3 import Stage3Engine
     from lightning_zero.zero.units import Unit
 
@@ -86,6 +87,14 @@ class ReadWatch(TorchFunctionMode):
                     self.owner[id(p)] = (engine, unit)
         self.found: list[str] = []
         self._stance: Optional[Any] = None
+
+    @classmethod
+    def over(cls, engines: list["ZeroEngine"]) -> Optional["ReadWatch"]:
+        """A watch over the engines that gather units (stage 3); None when none does."""
+        from lightning_zero.zero.stage3 import Stage3Engine
+
+        gathering = [e for e in engines if isinstance(e, Stage3Engine)]
+        return cls(gathering) if gathering else None
 
     def __enter__(self) -> "ReadWatch":
         """Watched batches run eagerly: dynamo would trace this mode into every compiled unit

@@ -368,6 +368,13 @@ class Stage3Engine(Stage2Engine):
             self.release(unit)  # units holding frozen weights: released by _unit_backward_done
 
     # ---------------------------------------------------------------- step boundaries
+    def inner_units(self) -> Optional[list[Unit]]:
+        return self.units[1:]
+
+    def guard_released(self, module: nn.Module) -> list:
+        self.end_eval_step()
+        return guard_released_modules(module, self)
+
     def begin_step(self) -> None:
         """Gather the root unit (and resident units) for a training, validation, test or predict step."""
         self._cursor = 0

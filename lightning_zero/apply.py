@@ -1,0 +1,191 @@
+"""apply_zero: what setting a module up under ZeRO does, in order, in one place.
+
+[Note: the order of apply_zero]
+:func:`apply_zero` reads top to bottom as torchtitan's ``parallelize_llama`` does; each step needs the
+one before it:
+
+1. Tensor-parallel check: a module ``configure_model`` split over ``tp`` must be split consistently
+   (parallel/validate.py), before anything is moved or broadcast.
+2. Expert-parallel bind: MoE layers learn their expert group before the broadcast, which sends expert
+   weights over the expert-data-parallel group only (moe/parallel.py).
+3. Place and broadcast: the module on this rank's device (meta parameters stay meta) and every
+   replica starts from rank 0's weights and buffers, as DDP does at wrap time; the state-dict dtypes
+   are remembered here, before the cast, for the checkpoints.
+4. The optimizers (Lightning's ``configure_optimizers`` runs here, on the placed module, as under ddp).
+5. One engine per optimizer: stage and offload from the config; the fp32 masters are taken now, in fp32
+   (stage 3 materialises a meta-built module unit by unit here, each unit costing memory once).
+6. Materialise what no engine owns (not fitting, or parameters outside every optimizer).
+7. Cast: the rest of the module to the compute dtype (the masters exist already).
+8. Compile: the one call site of ``torch.compile`` (zero/compile.py), after the cast, on stage 3's units.
+9. Activation offload: the one call site (activations/policy.py), on the compiled or plain units.
+10. Buffer sync: buffers follow rank 0's at every step (zero/buffers.py), built last, on cast buffers.
+
+Fabric may set a module up before its optimizers exist (fabric/strategy.py [Note: set up without an
+optimizer]): it calls the three phases :func:`prepare_module` (1-3), :func:`build_engines` (5) and
+:func:`finish_setup` (6-10) itself, in the same order, at the times its API allows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_zero.activations.policy import apply_activation_offload
+from lightning_zero.comm import collectives as C
+from lightning_zero.comm.compressed import protocol as compressed_comm
+from lightning_zero.config import OffloadConfig, Stage3Config
+from lightning_zero.engines import Engines, check_optimizers_own_their_params
+from lightning_zero.moe.parallel import bind_expert_parallel
+from lightning_zero.offload.engines import offload_engine
+from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.parallel.validate import check_tensor_parallel
+from lightning_zero.parallel_dims import ParallelDims
+from lightning_zero.precision import ZeroPrecision
+from lightning_zero.zero.buffers import BufferSync
+from lightning_zero.zero.compile import compile_for_strategy
+from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules
+from lightning_zero.zero.shard_comm import ShardComm, is_expert
+from lightning_zero.zero.stage1 import Stage1Engine
+from lightning_zero.zero.stage2 import Stage2Engine
+from lightning_zero.zero.stage3 import Stage3Engine
+
+ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
+
+
+def apply_zero(
+    module: torch.nn.Module,
+    optimizers: Optional[Callable[[], list[Optimizer]]],
+    engines: Engines,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    precision: ZeroPrecision,
+    host: OffloadHost,
+) -> Engines:
+    """Set ``module`` up under ZeRO ([Note: the order of apply_zero]); returns ``engines``, filled.
+
+    ``optimizers``: called once the module is placed (Lightning's ``configure_optimizers``); None when
+    not fitting: the engines of the previous fit are kept and their forward hooks put back on.
+    ``host``: where this rank runs (ranks per node, global rank) and whether the loop accumulates
+    gradients over several backwards (offload's host-memory and disk checks)."""
+    prepare_module(engines, module, dims, device)  # 1-3
+    if optimizers is not None:
+        engines.unshard_to_plain()  # a second fit: stage-3 parameters get their full storage back
+        build_engines(engines, module, optimizers(), dims=dims, device=device, precision=precision, host=host)  # 4-5
+    else:
+        engines.install_module_hooks()  # validate/test/predict after fit: gather per unit again
+    finish_setup(engines, module, device, precision)  # 6-10
+    return engines
+
+
+def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims, device: torch.device) -> None:
+    """Steps 1-3: on this rank's device (meta parameters stay meta: materialised later, unit by unit),
+    with rank 0's weights and buffers; remembers the dtypes the checkpoints restore."""
+    if dims.tp > 1:
+        check_tensor_parallel(module, dims.tp)
+    bind_expert_parallel(module, engines.config.expert_parallel, dims.ep_group)  # before the broadcast
+    place(module, device)
+    broadcast_module_states(module, dims)
+    engines.module = module
+    engines.dims = dims
+    engines.orig_dtypes = {k: v.dtype for k, v in module.state_dict().items() if torch.is_tensor(v)}
+    engines.remove_guards()
+
+
+def place(module: torch.nn.Module, device: torch.device) -> None:
+    """``module`` on ``device``; meta tensors stay meta (materialised later, unit by unit)."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def broadcast_module_states(module: torch.nn.Module, dims: Optional[ParallelDims]) -> None:
+    """Make every replica start from rank 0's weights and buffers (as DDP does at wrap time)."""
+    if C.world_size() == 1:
+        return
+    group = dims.dp_group if dims is not None else None
+    expert_group = dims.edp_group if dims is not None and dims.ep > 1 else group
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            src_group = expert_group if is_expert(t) else group  # the replicas of the same experts only
+            # meta parameters are materialised identically on every rank; released ZeRO-3 ones are
+            # consistent already (their shards are)
+            t = local_tensor(t)  # a DTensor's TP shard: the dp ranks of one tp rank hold the same one
+            if not t.is_meta and t.untyped_storage().nbytes() > 0:
+                C.broadcast(t.data, 0, src_group)
+
+
+def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Optimizer], *, dims: ParallelDims,
+                  device: torch.device, precision: ZeroPrecision, host: OffloadHost,
+                  only: Optional[list[Optimizer]] = None) -> None:
+    """Step 5: one engine per optimizer (stage and offload from the config). ``host``: see
+    :func:`apply_zero` (offload's host-memory check counts an accumulator). ``only``: add engines for these optimizers, keeping the existing ones (Fabric's
+    ``setup_optimizers`` after ``setup_module``, stages 0-2); by default every engine is new."""
+    config = engines.config
+    engine_cls = ENGINES[config.stage]
+    stage_options: dict[str, Any] = {}
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    check_optimizers_own_their_params(optimizers, names)
+    if config.stage == 3:
+        stage_options = {
+            "module": module,
+            "param_group": dims.dp_param_group,
+            "stage3": config.piece(Stage3Config),
+            "materialize": make_unit_materializer(module, device, getattr(module, "zero_init_module", None)),
+        }
+    if config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
+        engine_cls = offload_engine(config.stage)
+        stage_options["offload"] = config.piece(OffloadConfig)
+        stage_options["offload_host"] = host
+    dtype = precision.compute_dtype
+    bucket_numel = max(1, int(config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+    norm_groups = [dims.pp_group] if dims.pp > 1 else []
+    frozen = frozen_params(module, optimizers) if config.stage == 3 else []
+    if only is None:
+        engines.by_optimizer = {}
+    experts = ShardComm.over(dims.edp_group, dims.edp_param_group) if dims.ep > 1 else None
+    for i, opt in enumerate(optimizers if only is None else only):
+        if experts is not None and compressed_comm.uses_compressed_comm(opt):
+            raise NotImplementedError(f"{type(opt).__name__} with expert_parallel > 1 is not built yet.")
+        compressed_comm.attach_backend(opt, config.stage, dims.dp_group)  # 1-bit optimizers only
+        options: dict[str, Any] = dict(stage_options)
+        if dims.tp > 1:
+            options["tp_group"] = dims.tp_group
+        if experts is not None:
+            options["expert_comm"] = experts
+        if i == 0 and frozen:  # the first engine partitions the frozen parameters (stage3.py [Note: frozen parameters])
+            options["frozen_params"] = frozen
+        engines.by_optimizer[id(opt)] = engine_cls(
+            opt, dims.dp_group, dtype, device, bucket_numel, norm_groups=norm_groups, param_names=names, **options
+        )
+
+
+def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device, precision: ZeroPrecision) -> None:
+    """Steps 6-10, after the engines exist: meta parameters outside every engine materialised, the module
+    cast to the compute dtype (the fp32 masters were taken before), compile and activation offload
+    applied at their one call site each, buffers followed from rank 0."""
+    config = engines.config
+    if has_meta_params(module):  # not fitting, or parameters outside every optimizer
+        materialize_modules(list(module.modules()), device)
+    precision.cast_module(module)
+    engines.compile_plan = compile_for_strategy(module, engines.inner_units(), config)  # the one call site of torch.compile
+    if config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
+        apply_activation_offload(module, config.activation_offload_policy, engines.unit_modules())
+    for engine in engines:
+        for fg in engine.groups:
+            for p in fg.params:
+                if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
+                    raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
+    dims = engines.dims
+    engines.buffer_sync = BufferSync(module, dims.dp_group if dims is not None else None)
+    engines.watched = set()
+
+
+def frozen_params(module: torch.nn.Module, optimizers: list[Optimizer]) -> list[torch.nn.Parameter]:
+    """Stage 3 partitions these too, without gradients, masters or optimizer state: parameters with
+    ``requires_grad=False`` or in no optimizer (the frozen base of a LoRA fine-tune). Non-floating
+    parameters stay replicated."""
+    trainable = {id(p) for opt in optimizers for pg in opt.param_groups for p in pg["params"] if p.requires_grad}
+    return [p for p in module.parameters() if id(p) not in trainable and p.is_floating_point()]
