@@ -35,7 +35,7 @@ class DelayedStep:
         """Steps since the start (or the last ``finish``): the first ``warmup`` run synchronously."""
         self._pool = ThreadPoolExecutor(1, "lz-dpu")
         self._future: Optional[Future] = None
-        self._up = 0
+        self._buffer = 0
         """The upload buffer the background step writes."""
 
     @property
@@ -56,7 +56,7 @@ class DelayedStep:
         uploads = h.uploads
         if self._future is not None:
             self._future.result()
-            uploads.stepped(self._up)
+            uploads.stepped(self._buffer)
         else:
             uploads.nothing()
         nxt = 1 - uploads.read if uploads.pending else 1 - uploads.write
@@ -64,7 +64,7 @@ class DelayedStep:
         hypers = [adam_hyper(h.optimizer, pg) for pg in h.optimizer.param_groups]  # this step's lr
         for hg in h.grads:
             hg.rotate()  # the next backward lands elsewhere
-        self._up = nxt
+        self._buffer = nxt
         uploads.hand_to_background(nxt)
         self._future = self._pool.submit(h.cpu_step, grads, coef, nxt, hypers, None, plans)
 
@@ -82,7 +82,7 @@ class DelayedStep:
             return
         self._future.result()
         self._future = None
-        self.host.uploads.stepped(self._up)
+        self.host.uploads.stepped(self._buffer)
         write_back()
         self._steps = 0  # a later step starts synchronously again
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Optional
 

@@ -7,7 +7,7 @@ bucket by bucket, offload/flat.py; stage 3: uploaded into the gather sources, of
 delayed update keeps two buffers (the background step writes one while the other is uploaded); without a
 buffer (fp32 compute, or stage 3 with pinned host partitions) the upload reads the masters or the
 partitions directly. What remains to be done is this module's :class:`Uploads`, and only its methods
-change it (a test checks that no other module assigns it):
+change it (its fields are read-only properties; tests/unit/test_offload_structure.py checks it):
 
 * ``write``: the buffer the next step writes (synchronous step, during backward, or in the background);
 * ``read``: the buffer the next upload reads (set to ``write`` when a step begins, so stages 1-2 upload
@@ -55,10 +55,25 @@ class Uploads:
         self._fallback = fallback
         """Where group ``gi`` uploads from without a buffer (stage 3's host partition, or None: the master)."""
         self._device = device
-        self.write = 0
-        self.read = 0
-        self.state = UploadState.CURRENT
+        self._write = 0
+        self._read = 0
+        self._state = UploadState.CURRENT
         self._events: dict[int, Any] = {}
+
+    # read-only outside this class: the transitions below are the only writers
+    @property
+    def write(self) -> int:
+        """The buffer the next step writes."""
+        return self._write
+
+    @property
+    def read(self) -> int:
+        """The buffer the next upload reads."""
+        return self._read
+
+    @property
+    def state(self) -> UploadState:
+        return self._state
 
     # ---------------------------------------------------------------- buffers
     def buffer(self, gi: int, index: int) -> Optional[Tensor]:
@@ -71,51 +86,51 @@ class Uploads:
 
     def source(self, gi: int, master: Tensor) -> Tensor:
         """What the next upload of group ``gi`` reads."""
-        out = self.buffer(gi, self.read)
+        out = self.buffer(gi, self._read)
         return out if out is not None else master
 
     # ---------------------------------------------------------------- transitions (the only writers)
     def begin(self, index: int) -> None:
         """A step starts writing buffer ``index``; uploads during it read the same buffer."""
-        self.write = self.read = index
+        self._write = self._read = index
 
     def stepped(self, index: int) -> None:
         """A step's result is complete in buffer ``index``: PENDING."""
-        self.read = index
-        self.state = UploadState.PENDING
+        self._read = index
+        self._state = UploadState.PENDING
 
     def nothing(self) -> None:
         """No result to upload (the delayed update's first background step): CURRENT."""
-        self.state = UploadState.CURRENT
+        self._state = UploadState.CURRENT
 
     def hand_to_background(self, index: int) -> None:
         """The delayed update's next step writes buffer ``index`` in the background."""
-        self.write = index
+        self._write = index
 
     def loaded(self) -> None:
         """The masters were loaded (a checkpoint): STALE until ``refill``."""
-        self.state = UploadState.STALE
+        self._state = UploadState.STALE
 
     def refill(self, masters: list[Tensor]) -> None:
         """STALE: copy the loaded masters into the buffers the upload reads, then PENDING."""
-        if self.state is not UploadState.STALE:
+        if self._state is not UploadState.STALE:
             return
         for gi, master in enumerate(masters):
-            out = self.buffer(gi, self.read)
+            out = self.buffer(gi, self._read)
             if out is not None:
                 out.copy_(master)
-        self.state = UploadState.PENDING
+        self._state = UploadState.PENDING
 
     def take(self) -> bool:
         """Whether an upload is due; it is then considered done (the caller performs it): CURRENT."""
-        if self.state is UploadState.CURRENT:
+        if self._state is UploadState.CURRENT:
             return False
-        self.state = UploadState.CURRENT
+        self._state = UploadState.CURRENT
         return True
 
     @property
     def pending(self) -> bool:
-        return self.state is not UploadState.CURRENT
+        return self._state is not UploadState.CURRENT
 
     # ---------------------------------------------------------------- ordering with the device
     def record(self, index: int) -> None:
