@@ -179,7 +179,7 @@ class StepDuringBackward:
                 "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
             )
         h = self.host
-        h.masked.run_uncovered(eager, uncovered(h.splits, eager.covered), plans)
+        h.masked.run_uncovered(eager.run_now, uncovered(h.splits, eager.covered), plans)
         uploads = h.uploads
         uploads.begin(uploads.write)
         for gi, fg in enumerate(h.groups):  # each bucket's upload starts as soon as its range is stepped

@@ -73,7 +73,8 @@ class HostOptimizer:
         self.device = device
         self.compute_dtype = compute_dtype
         self.pg_of = pg_of
-        self._engine_host_state = engine_host_state
+        self.engine_host_state = engine_host_state
+        """The engine's ``host_state`` (the generic step and ``auto``'s re-split run inside it)."""
         self._masters_in_optimizer = masters_in_optimizer
         self._device_memory = device_memory
         dpu = o.delayed_param_update
@@ -148,7 +149,7 @@ class HostOptimizer:
             self.masked.generic_step(grads, coef, outs, plans)
             return
         if not all(h is not None for h in hypers):
-            with self._engine_host_state(), self._masters_in_optimizer():
+            with self.engine_host_state(), self._masters_in_optimizer():
                 generic_step(opt, [fg.master for fg in self.groups], grads, coef)
                 for fg, out in zip(self.groups, outs):
                     if out is not None:
@@ -277,7 +278,7 @@ class HostOptimizer:
         self.chosen_ratio = ratio
         if splits == self.splits:
             return
-        with self._engine_host_state():  # NVMe: the states the device share starts from must be resident
+        with self.engine_host_state():  # NVMe: the states the device share starts from must be resident
             self.splits = splits
             self.share = DeviceShare(splits, numels, self.device, self.compute_dtype)
             self.share_from_host()

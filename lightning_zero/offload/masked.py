@@ -16,25 +16,44 @@ states and upload buffers.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from contextlib import AbstractContextManager
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.cpu import STEP_CHUNK, AdamHyper, adam_hyper, adam_update
+from lightning_zero.offload.compact_state import CompactStates
+from lightning_zero.offload.cpu import STEP_CHUNK, AdamHyper, HostGradShard, adam_hyper, adam_update
+from lightning_zero.offload.swap_state import NvmeOptimizerStore
+from lightning_zero.offload.upload import Uploads
 from lightning_zero.zero.unused import GroupPlan, UsedParams, planned_masters, set_group_steps
 
-if TYPE_CHECKING:  # (host_optimizer.py imports this module)
-    from lightning_zero.offload.eager import EagerStep
-    from lightning_zero.offload.host_optimizer import HostOptimizer
-
 log = logging.getLogger(__name__)
+
+
+class MaskedHost(Protocol):
+    """What the masked step reads of the host optimizer (host_optimizer.py, which holds a MaskedSteps)."""
+
+    optimizer: torch.optim.Optimizer
+    groups: list
+    pg_of: list[int]
+    op: Optional[object]
+    compact: Optional[CompactStates]
+    opt_store: Optional[NvmeOptimizerStore]
+    splits: list[int]
+    step_counts: list[int]
+    grads: list[HostGradShard]
+    uploads: Uploads
+
+    def host_adam_state(self, master: Tensor) -> dict: ...
+
+    def engine_host_state(self) -> AbstractContextManager[None]: ...
 
 
 class MaskedSteps:
     """The host optimizer's CPU step under a plan of zero/unused.py."""
 
-    def __init__(self, host: HostOptimizer) -> None:
+    def __init__(self, host: MaskedHost) -> None:
         self.host = host
         self._warned_int8 = False
 
@@ -83,7 +102,7 @@ class MaskedSteps:
         for m, g in zip(masters, grads):
             g = g.to(m.dtype)
             g32.append(g.mul_(coef) if coef != 1.0 else g)
-        with h._engine_host_state():
+        with h.engine_host_state():
             with planned_masters(opt, masters, h.pg_of, g32, plans):
                 opt.step()
             set_group_steps(opt, masters, plans)
@@ -164,7 +183,7 @@ class MaskedSteps:
                         "for torch's exact behaviour.", INT8_BLOCK)
 
     # ---------------------------------------------------------------- the step during backward
-    def run_uncovered(self, eager: EagerStep, ranges: list[tuple[int, int, int]],
+    def run_uncovered(self, run_now: Callable[[int, int, int], None], ranges: list[tuple[int, int, int]],
                       plans: Optional[list[Optional[GroupPlan]]]) -> None:
         """The step during backward's leftovers (ranges of buckets holding a parameter without a gradient on
         this rank, deferred by the engine's ``_reduce_scatter_into_shard``), stepped under this step's plan.
@@ -172,7 +191,7 @@ class MaskedSteps:
         stepped with its own count (``lagging_ranges``)."""
         if plans is None:
             for gi, lo, hi in ranges:
-                eager.run_now(gi, lo, hi)
+                run_now(gi, lo, hi)
             return
         h = self.host
         opt = h.optimizer
@@ -180,7 +199,7 @@ class MaskedSteps:
         for gi, lo, hi in ranges:
             plan = plans[gi]
             if plan is None:
-                eager.run_now(gi, lo, hi)
+                run_now(gi, lo, hi)
                 continue
             hyper = adam_hyper(opt, opt.param_groups[gi])
             assert hyper is not None, "the step during backward runs Adam only (policy.py)"
