@@ -159,8 +159,9 @@ class HostOptimizer:
         threads = torch.get_num_threads()
         for gi, (fg, grad, out, hyper) in enumerate(zip(self.groups, grads, outs, hypers)):
             assert hyper is not None
-            if plans is not None and plans[gi] is not None:  # some parameter unused on every rank
-                self.masked.group_step(gi, grad, out, hyper, scale, threads, plans[gi])
+            plan = plans[gi] if plans is not None else None
+            if plan is not None:  # some parameter unused on every rank
+                self.masked.group_step(gi, grad, out, hyper, scale, threads, plan)
                 for bi, b in enumerate(fg.layout.buckets):
                     if on_bucket is not None and b.shard_offset < self.splits[gi]:
                         on_bucket(gi, bi)

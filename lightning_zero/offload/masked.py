@@ -164,15 +164,15 @@ class MaskedSteps:
         blocks = (n + INT8_BLOCK - 1) // INT8_BLOCK
         runs: list[tuple[int, int, Optional[int]]] = []  # (first block, end block, count or None: kept)
         for blk in range(blocks):
-            c = count_of.get(blk)
-            if runs and runs[-1][2] == c and runs[-1][1] == blk:
-                runs[-1] = (runs[-1][0], blk + 1, c)
+            got = count_of.get(blk)
+            if runs and runs[-1][2] == got and runs[-1][1] == blk:
+                runs[-1] = (runs[-1][0], blk + 1, got)
             else:
-                runs.append((blk, blk + 1, c))
-        for first, end, c in runs:
+                runs.append((blk, blk + 1, got))
+        for first, end, count in runs:
             lo, hi = first * INT8_BLOCK, min(n, end * INT8_BLOCK)
-            if c is not None:
-                compact.range(gi, grad, out, hyper, scale, threads, c)(lo, hi)
+            if count is not None:
+                compact.range(gi, grad, out, hyper, scale, threads, count)(lo, hi)
             else:
                 self.keep_piece(gi, out, lo, hi)
         if partial and not self._warned_int8:

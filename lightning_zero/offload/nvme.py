@@ -81,7 +81,7 @@ def _pid_alive(pid: int) -> bool:
 
 def clean_stale(root: Path) -> list[Path]:
     """Remove swap directories under ``root`` whose owner process on this host is gone."""
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     host = socket.gethostname()

@@ -10,13 +10,14 @@ place for pinned host partitions, uploaded otherwise, written to the swap files 
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Generator, Iterable, Optional, cast
 
 import torch
 from torch import Tensor
 
 from lightning_zero.offload.engine import OffloadMixin
 from lightning_zero.offload.params import NvmeParamStore, copy_done, ring_depth, stage_to_device
+from lightning_zero.zero.sharded_group import ShardedParamGroup
 
 if TYPE_CHECKING:  # the engine this mixin goes in front of (engines.py), for the type checker
     from lightning_zero.zero.stage3 import Stage3Engine as _Stage3Base
@@ -37,6 +38,11 @@ class ParamOffloadMixin(OffloadMixin, _Stage3Base):
             kwargs["shard16_factory"] = lambda n, dt: torch.zeros(n, dtype=dt, device=self.device)
         return kwargs
 
+    @property
+    def _sharded(self) -> list[ShardedParamGroup]:
+        """``groups`` as stage 3 builds them (ZeroEngine types them as the flat groups of stages 0-2)."""
+        return cast("list[ShardedParamGroup]", self.groups)
+
     def _upload_is_shard16(self, fg: Any) -> bool:
         return self.offload.offload_params == "cpu" and self.compute_dtype != torch.float32 and not self.offload.delayed_param_update
 
@@ -46,14 +52,14 @@ class ParamOffloadMixin(OffloadMixin, _Stage3Base):
             assert self._swapper is not None
             per_unit = max((len(u.buckets) for u in self.units), default=1)
             depth = ring_depth(per_unit, self.prefetch_units)
-            self._param_store = NvmeParamStore(self._swapper, self.groups, self._pin, depth)
+            self._param_store = NvmeParamStore(self._swapper, self._sharded, self._pin, depth)
             self._param_store.swap_out()
         super()._setup_offload()
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
         if self.offload.offload_params == "none" or gi >= len(self.groups):  # frozen partitions stay on the device
             return super()._gather_source(gi, bi)
-        fg = self.groups[gi]
+        fg = self._sharded[gi]
         b = fg.layout.buckets[bi]
         store = getattr(self, "_param_store", None)
         if store is None:
@@ -94,7 +100,7 @@ class ParamOffloadMixin(OffloadMixin, _Stage3Base):
         h.uploads.refill([fg.master for fg in self.groups])  # masters loaded (checkpoint): buffers are stale
         if not h.uploads.take():
             return
-        for gi, fg in enumerate(self.groups):
+        for gi, fg in enumerate(self._sharded):
             src = self._upload_source(gi)
             split, n = h.splits[gi], fg.layout.shard_numel
             if h.share is not None and split < n:  # partial offload: the device share's part
