@@ -81,7 +81,7 @@ def adam_update(
     """One Adam/AdamW update of a flat fp32 range in place (``grad`` may be 16-bit; it is divided by
     ``grad_scale``); ``out16`` (16-bit) receives the updated values in the same pass."""
     if op is not None:
-        op.adam_step(  # type: ignore[attr-defined]
+        op.adam_step(  # type: ignore[attr-defined]  # third-party typing gap: a cpp_extension module has no stubs
             master, grad, exp_avg, exp_avg_sq, out16, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
             eps=hyper.eps, weight_decay=hyper.weight_decay, adamw_mode=hyper.adamw_mode, step=step,
             grad_scale=grad_scale, num_threads=threads,

@@ -10,7 +10,8 @@ buckets because they hold the last layers: their gradients land first, so the CP
 during backward overlaps the rest of backward longest, while the device share's gradients, landing
 last, need no copy at all.
 
-Nothing outside the offload engine sees the split. The engine keeps full-size host masters and Adam
+Nothing outside the offload engine sees the split. :class:`DeviceShare` is a member of the host
+optimizer (host_optimizer.py: ``share``), which keeps full-size host masters and Adam
 states; the device share's part of them is a *mirror*, brought up to date on entry to
 ``host_state()`` (checkpoints, consolidation, user edits read them there) and pushed back to the
 device on exit when something wrote to it (a checkpoint load). Host memory is therefore what full
@@ -26,7 +27,6 @@ rank's partition and changes no collective.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional, Sequence
@@ -34,11 +34,9 @@ from typing import Any, Callable, Generator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from lightning_zero.offload.cpu import AdamHyper, adam_hyper
+from lightning_zero.offload.cpu import AdamHyper
 from lightning_zero.optim.torch_adam import torch_adam_step
 from lightning_zero.zero.partition import FlatLayout
-
-log = logging.getLogger(__name__)
 
 HEADROOM = 0.10
 """Fraction of the device's memory that ``auto`` leaves free (allocator fragmentation, spikes)."""
@@ -248,70 +246,3 @@ def host_changed(trio: HostTrio, entry: list[tuple[Any, int]]) -> bool:
         if (t is None) != (ref is None) or (t is not None and (ref() is not t or t._version != version)):
             return True
     return False
-
-
-class PartialOffloadMixin:
-    """The partial-offload part of the offload engine (engine.py's OffloadMixin derives from it)."""
-
-    _share: Optional[DeviceShare]
-
-    def _host_trio(self, gi: int) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Group ``gi``'s full-size host master and Adam moments (None before the first step)."""
-        master = self.groups[gi].master
-        st = self.optimizer.state.get(master, {})
-        return master, st.get("exp_avg"), st.get("exp_avg_sq")
-
-    def _share_from_host(self) -> None:
-        """The device shares take their values from the host masters and states (setup, ``auto``)."""
-        assert self._share is not None
-        for gi in range(len(self.groups)):
-            self._share.push(gi, *self._host_trio(gi))
-
-    def _step_device_share(self, coef: float) -> None:
-        """The device share's Adam step, after the host share's (same count and hyper-parameters)."""
-        if self._share is not None:
-            for gi, pg in enumerate(self.optimizer.param_groups):
-                hyper = adam_hyper(self.optimizer, pg)
-                assert hyper is not None, "offload_ratio < 1 needs Adam (checked at setup)"
-                plan = self._plans[gi] if self._plans is not None else None  # zero/unused.py
-                if plan is not None:
-                    self._share.step_pieces(gi, plan.ranges, plan.steps, hyper, 1.0 / coef)
-                else:
-                    self._share.step(gi, self._step_counts[gi], hyper, 1.0 / coef)
-        if self._auto_pending:
-            self._auto_pending = False
-            self._choose_auto_split()
-
-    def _device_memory(self) -> Optional[tuple[int, int]]:
-        """(total, peak allocated so far) bytes of this rank's device; None on a CPU-only run, where
-        device and host memory are the same and ``auto`` keeps everything on the host."""
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.get_device_properties(self.device).total_memory, torch.cuda.max_memory_allocated(self.device)
-
-    def _choose_auto_split(self) -> None:
-        """``offload_ratio='auto'`` after the first (fully offloaded) step: move the partition's tail
-        that fits the device there (device_share.py [Note: partial offload])."""
-        mem = self._device_memory()
-        if mem is None:
-            return
-        numels = [fg.layout.shard_numel for fg in self.groups]
-        fits = auto_device_numel(mem[0], mem[1], self.compute_dtype)
-        ratio = auto_ratio(numels, fits)
-        splits = [split_at_ratio(fg.layout, ratio, round_host_up=True) for fg in self.groups]
-        log.info("lightning_zero: offload_ratio='auto' keeps %.3f of the optimizer partition on the host "
-                 "(%.2f GiB peak of %.2f GiB; %d of %d elements move to the device)", ratio, mem[1] / 2**30,
-                 mem[0] / 2**30, sum(n - sp for n, sp in zip(numels, splits)), sum(numels))
-        self.chosen_ratio = ratio
-        if splits == self._splits:
-            return
-        with self.host_state():  # NVMe: the states the device share starts from must be resident
-            self._splits = splits
-            self._share = DeviceShare(splits, numels, self.device, self.compute_dtype)
-            self._share_from_host()
-
-    def _push_loaded_share(self) -> None:
-        """Masters were loaded (inside ``host_state``): the device share takes them now, before the
-        write-back sends its values (the mirror's own push comes only when ``host_state`` ends)."""
-        if self._share is not None:
-            self._share_from_host()

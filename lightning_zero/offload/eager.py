@@ -9,7 +9,7 @@ range can be stepped as soon as its reduced gradient has landed in host memory, 
 computes the gradients of the layers before it.
 
 That is only the same step when nothing needs *all* the gradients first. The strategy therefore asks
-for it (``OffloadMixin.step_in_backward``) only when the step's coefficient is known to be 1 before
+for it (the engine's ``step_in_backward``) only when the step's coefficient is known to be 1 before
 backward: no gradient clipping (it needs the global norm), no fp16 loss scaling (it may skip the step
 on overflow), ``nonfinite='ignore'`` (skipping or stopping at a non-finite step needs the global
 norm before the update: zero/engine.py [Note: non-finite steps]), no gradient accumulation (the step
@@ -36,8 +36,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
+from torch import Tensor
 
 from lightning_zero.offload.cpu import adam_hyper
+from lightning_zero.offload.host_optimizer import HostOptimizer, OnBucket
+from lightning_zero.zero.unused import GroupPlan, UsedParams
 
 UpdateRange = Callable[[int, int, int], None]
 """(param group, first element, end element) -> None: step that range of the group's partition."""
@@ -109,44 +112,63 @@ def uncovered(sizes: list[int], covered: list[tuple[int, int, int]]) -> list[tup
     return out
 
 
-class StepInBackwardMixin:
-    """The step-during-backward part of the offload engine (engine.py's OffloadMixin derives from it):
-    started at a backward's first bucket, finished (and the uploads started) when the step comes."""
+class StepDuringBackward:
+    """The step policy (policy.py) that runs the CPU step during backward when the strategy asks
+    (``wanted``), and after backward otherwise. Owns the worker thread and the running step: started at
+    a backward's first bucket, finished (and the uploads started) when the step comes."""
 
-    _eager: Optional[EagerStep]
-    _eager_pool: Optional[ThreadPoolExecutor]
+    def __init__(self, host: HostOptimizer) -> None:
+        self.host = host
+        self.eager_steps = 0
+        """Steps that ran during backward (tests and benchmarks read it)."""
+        self._eager: Optional[EagerStep] = None
+        self._pool: Optional[ThreadPoolExecutor] = None
 
-    def _eager_for_this_backward(self) -> Optional[EagerStep]:
+    @property
+    def step_counted(self) -> bool:
+        return self._eager is not None
+
+    def for_backward(self, wanted: bool, backwards: int, used: UsedParams) -> Optional[EagerStep]:
         """This backward's step-during-backward, started at its first bucket (None: step after backward)."""
         if self._eager is not None:
-            if self._backwards > 0:
+            if backwards > 0:
                 raise RuntimeError(
                     "step_in_backward: a second backward before the optimizer step; the update ran during the "
                     "first one. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
                 )
             return self._eager
-        if not (self.step_in_backward and self._eager_possible and self._backwards == 0):
+        if not (wanted and backwards == 0):
             return None
-        self._wait_h2d(self._up)  # the upload buffer about to be written: its last upload must be done
+        h = self.host
+        uploads = h.uploads
+        uploads.wait(uploads.write)  # the upload buffer about to be written: its last upload must be done
         threads = max(1, torch.get_num_threads() - 1)  # one core stays with the thread driving backward
         ranges = []
-        for gi, pg in enumerate(self.optimizer.param_groups):
-            hyper = adam_hyper(self.optimizer, pg)  # this step's learning rate
-            out = self._upload_buffer(gi, self._up)
-            assert hyper is not None and (out is None or out.dtype != torch.float32 or self._compact is not None), \
-                "see _eager_possible"
-            whole = self._begin_host_adam(gi, self._grads[gi].landing, out, hyper, 1.0, threads)
-            ranges.append(self._lagging_ranges(gi, out, hyper, threads) or whole)  # masked.py
+        for gi, pg in enumerate(h.optimizer.param_groups):
+            hyper = adam_hyper(h.optimizer, pg)  # this step's learning rate
+            out = uploads.buffer(gi, uploads.write)
+            assert hyper is not None and (out is None or out.dtype != torch.float32 or h.compact is not None), \
+                "see policy.choose_step_policy"
+            whole = h.begin_host_adam(gi, h.grads[gi].landing, out, hyper, 1.0, threads)
+            ranges.append(h.masked.lagging_ranges(gi, out, hyper, threads, used) or whole)
 
         def update(gi: int, lo: int, hi: int) -> None:
             ranges[gi](lo, hi)
 
-        if self._eager_pool is None:
-            self._eager_pool = ThreadPoolExecutor(1, "lz-step-in-backward")
-        self._eager = EagerStep(self._eager_pool, update)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, "lz-step-in-backward")
+        self._eager = EagerStep(self._pool, update)
         return self._eager
 
-    def _finish_eager(self, coef: float) -> None:
+    def step(self, grads: list[Tensor], coef: float, plans: Optional[list[Optional[GroupPlan]]],
+             on_bucket: OnBucket) -> None:
+        if self._eager is None:
+            self.host.step_now(grads, coef, plans, on_bucket)
+            return
+        self._finish_eager(coef, plans, on_bucket)
+        self.host.step_device_share(coef, plans)
+
+    def _finish_eager(self, coef: float, plans: Optional[list[Optional[GroupPlan]]], on_bucket: OnBucket) -> None:
         """The step that ran during backward: wait for it, step any range it missed, mark the upload."""
         eager, self._eager = self._eager, None
         assert eager is not None
@@ -156,14 +178,40 @@ class StepInBackwardMixin:
                 f"step_in_backward: the step's gradient coefficient is {coef} (clipping or loss scaling), but the "
                 "update already ran during backward with 1. Set ZeroStrategy(offload_step_in_backward=False)."
             )
-        self._run_uncovered(eager, uncovered(self._splits, eager.covered))  # masked.py
-        self._upload_from = self._up
-        for gi, fg in enumerate(self.groups):  # each bucket's upload starts as soon as its range is stepped
+        h = self.host
+        h.masked.run_uncovered(eager.run_now, uncovered(h.splits, eager.covered), plans)
+        uploads = h.uploads
+        uploads.begin(uploads.write)
+        for gi, fg in enumerate(h.groups):  # each bucket's upload starts as soon as its range is stepped
             for bi, b in enumerate(fg.layout.buckets):
-                if b.shard_offset < self._splits[gi]:
+                if b.shard_offset < h.splits[gi]:
                     eager.wait(gi, b.shard_offset)
-                    self._bucket_stepped(gi, bi)
-        self._steps += 1
-        self._upload_from, self._upload_pending = self._up, True
-        self._out_valid = True
+                    on_bucket(gi, bi)
+        uploads.stepped(uploads.write)
         self.eager_steps += 1
+
+    def before_zero_grad(self) -> None:
+        if self._eager is not None:
+            raise RuntimeError(
+                "optimizer.zero_grad() between backward and step: with offload_step_in_backward the update already "
+                "ran during backward. Set ZeroStrategy(offload_step_in_backward=False) for this training loop."
+            )
+
+    def wait(self) -> None:
+        pass
+
+    def finish(self, write_back: Callable[[], None]) -> None:
+        """Backward ran, the step never came (an exception): let the thread finish; the result is uploaded
+        by the next write-back."""
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            eager.finish()
+            self.host.uploads.stepped(self.host.uploads.write)
+
+    def abandon(self) -> None:
+        if self._eager is not None:
+            eager, self._eager = self._eager, None
+            try:
+                eager.finish()
+            except Exception:  # noqa: BLE001 - the failure being handled is the one to report
+                pass

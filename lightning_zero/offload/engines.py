@@ -1,8 +1,8 @@
 """The offloading engine of each ZeRO stage, named (no classes built at run time).
 
 ``OffloadStageNEngine`` = the stage's offload mixin (flat.py for stages 1-2, sharded.py for stage 3,
-both on engine.py's OffloadMixin) in front of the stage's own engine (lightning_zero/zero/), so the
-offload code overrides only the engine's marked steps.
+both on engine.py's OffloadMixin, which holds the host optimizer and the step policy) in front of the
+stage's own engine (lightning_zero/zero/), so the offload code overrides only the engine's marked steps.
 """
 
 from __future__ import annotations

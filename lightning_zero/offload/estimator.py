@@ -31,7 +31,7 @@ gradient accumulation adds an fp32 accumulator of 4S; the delayed update doubles
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -247,10 +247,10 @@ def count_params(model: nn.Module) -> tuple[int, int]:
     return total, largest or total
 
 
-def estimate_model(model: nn.Module, gpus_per_node: int = 1, nodes: int = 1, **workload: object) -> list[Estimate]:
+def estimate_model(model: nn.Module, gpus_per_node: int = 1, nodes: int = 1, **workload: Any) -> list[Estimate]:
     """Every setting's figures for ``model`` (meta-device models work: only shapes are read)."""
     total, largest = count_params(model)
-    return estimate_all(Workload(total, gpus_per_node, nodes, largest_unit=largest, **workload))  # type: ignore[arg-type]
+    return estimate_all(Workload(total, gpus_per_node, nodes, largest_unit=largest, **workload))
 
 
 # ---------------------------------------------------------------------------------------- what fits

@@ -49,8 +49,9 @@ class FlatOffloadMixin(OffloadMixin):
         fg = self.groups[gi]
         b = fg.layout.buckets[bi]
         lo, hi = b.shard_offset, b.shard_offset + b.chunk
-        on_device = self._share is not None and self._share.owns(gi, lo)
-        chunk = self._share.source(gi, lo, hi) if on_device else self._upload_source(gi)[lo:hi]  # type: ignore[union-attr]
+        share = self.host_optimizer.share
+        on_device = share is not None and share.owns(gi, lo)
+        chunk = share.source(gi, lo, hi) if share is not None and on_device else self._upload_source(gi)[lo:hi]
         dst = fg.bucket_view(fg.flat_param, bi)
         if self.dp_size == 1:
             dst.copy_(chunk, non_blocking=True)
@@ -59,23 +60,21 @@ class FlatOffloadMixin(OffloadMixin):
             self._gather_works.append(C.all_gather(dst, send, self.dp_group, async_op=True))
 
     def after_master_load(self) -> None:
-        self._push_loaded_share()
-        for gi, fg in enumerate(self.groups):  # the 16-bit upload buffers come from the loaded masters
-            out = self._upload_buffer(gi, self._upload_from)
-            if out is not None:
-                out.copy_(fg.master)
-        self._upload_pending = True
+        h = self.host_optimizer
+        h.share_from_host()  # the device share takes the loaded masters before the write-back sends them
+        h.uploads.loaded()  # the 16-bit upload buffers come from the loaded masters
+        h.uploads.refill([fg.master for fg in self.groups])
         self._write_back()
 
     def _write_back(self) -> None:
-        if not self._upload_pending:
+        uploads = self.host_optimizer.uploads
+        if not uploads.take():
             return
-        self._upload_pending = False
         order = self._gather_order()
         while self._gather_cursor < len(order):  # what the step did not start (device share, NVMe, SGD...)
             self._launch_gather(*order[self._gather_cursor])
             self._gather_cursor += 1
-        self._record_h2d(self._upload_from)
+        uploads.record(uploads.read)
         works, self._gather_works = self._gather_works, []
         self._gather_cursor, self._gather_ready = 0, set()
         for w in works:

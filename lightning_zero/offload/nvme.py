@@ -36,7 +36,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -81,7 +81,7 @@ def _pid_alive(pid: int) -> bool:
 
 def clean_stale(root: Path) -> list[Path]:
     """Remove swap directories under ``root`` whose owner process on this host is gone."""
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     host = socket.gethostname()
@@ -272,7 +272,7 @@ class SwapRecord:
 class SwapOp:
     """One file's pending read or write; ``wait()`` completes it (and raises its errors)."""
 
-    def __init__(self, finish: "callable") -> None:  # type: ignore[valid-type]
+    def __init__(self, finish: Callable[[], object]) -> None:
         self._finish = finish
         self._done = False
 

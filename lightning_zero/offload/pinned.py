@@ -69,7 +69,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin: bool = False, align: int 
 
 def capacity_bytes(t: Tensor) -> int:
     """Bytes from ``t``'s first element to the end of its storage (whole blocks for aligned_empty's)."""
-    return t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    return int(t.untyped_storage().nbytes() - t.storage_offset() * t.element_size())
 
 
 def can_pin(device: torch.device, want: bool) -> bool:

@@ -54,7 +54,7 @@ def make_resident(t: Tensor) -> Tensor:
     storage = t.untyped_storage()
     need = (t.storage_offset() + t.numel()) * t.element_size()
     if storage.nbytes() < need:
-        storage.resize_(need)
+        storage.resize_(int(need))
     return t
 
 
@@ -204,6 +204,7 @@ class NvmeOptimizerStore(SwappedStore):
                     flat[lo:hi].zero_()
                 else:
                     op.wait()
+                    assert buf is not None  # a started read has its slot's buffer
                     flat[lo:hi].copy_(buf)
                 del pending[ci]
                 if slot is not None:
