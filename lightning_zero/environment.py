@@ -42,7 +42,7 @@ def init_process_groups(config: ZeroConfig, env: Optional[ClusterEnvironment], w
     and this job's groups (ParallelDims: data x pipeline x tensor x expert)."""
     reset_seed()
     dims = ParallelDims(world_size, global_rank, pp=config.pipeline_stages, tp=config.tensor_parallel,
-                        ep=config.expert_parallel)
+                        ep=config.expert_parallel, sp=config.sequence_parallel)
     backend = config.process_group_backend or _get_default_process_group_backend_for_device(device)
     if world_size > 1 or C.is_initialized():
         _init_dist_connection(env, backend, timeout=timedelta(seconds=config.timeout_s))
@@ -51,9 +51,10 @@ def init_process_groups(config: ZeroConfig, env: Optional[ClusterEnvironment], w
 
 
 def sampler_kwargs(dims: Optional[ParallelDims], num_replicas: int, rank: int) -> dict[str, Any]:
-    """Data is sharded by data-parallel rank only: the stages of one pipeline see the same batch."""
+    """Data is sharded by data-parallel replica only: the stages of one pipeline, and the ranks of one
+    sequence-parallel group, see the same batch."""
     if dims is not None:
-        return {"num_replicas": dims.dp, "rank": dims.dp_rank}
+        return {"num_replicas": dims.data_parallel, "rank": dims.data_rank}
     return {"num_replicas": num_replicas, "rank": rank}
 
 

@@ -25,6 +25,15 @@ group on one host, where its all-to-alls need the fastest links). ``ep_group``: 
 ``edp_param_group`` beside it for ZeRO-3's gathers as for dp. They are plain groups beside the mesh, not
 mesh dims: splitting the mesh's "dp" dim in two needs DeviceMesh's private ``_unflatten`` (absent from
 the torch versions we support), and the mesh the module sees keeps its three dims.
+
+[Note: sequence-parallel groups]
+With ``sp`` > 1 (issue #30) the data-parallel ranks split into ``dp / sp`` groups of ``sp`` contiguous
+ranks, ``dp_rank = data_rank * sp + sp_rank``; the ``sp`` ranks of a group train the same samples, each
+holding ``1/sp`` of every sequence. Their weights are identical, so ZeRO keeps partitioning over the
+whole "dp" dim (dp x sp ranks in torchtitan's terms): gradients are averaged over it as before, which
+with the sequence loss (sequence/batch.py) gives the gradient of the global token mean. Only the sampler
+(``data_parallel`` replicas, ``data_rank``) and attention (``sp_group``) see the split; the mesh keeps its
+three dims.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     """Expert-parallel degree (a divisor of dp; see [Note: expert-parallel groups])."""
+    sp: int = 1
+    """Sequence-parallel degree (a divisor of dp; see [Note: sequence-parallel groups])."""
     mesh: Optional[Any] = field(default=None, repr=False)
     """The ``DeviceMesh`` (None in a single process without a default process group)."""
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
@@ -59,6 +70,7 @@ class ParallelDims:
     ep_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     edp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     edp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    sp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp"):
@@ -70,6 +82,12 @@ class ParallelDims:
                 f"world size {self.world_size} is not divisible by pipeline_stages={self.pp} x tensor_parallel={self.tp} "
                 f"= {self.pp * self.tp}: the world size must equal data-parallel degree x pipeline stages x "
                 "tensor-parallel degree. Change the number of devices or the degrees."
+            )
+        if self.dp % self.sp != 0:
+            raise ValueError(
+                f"sequence_parallel={self.sp} does not divide the data-parallel degree {self.dp} (world size "
+                f"{self.world_size}): each sequence is split over sequence_parallel ranks, and every rank must be in "
+                "one group. Change the number of devices or sequence_parallel."
             )
         if isinstance(self.ep, bool) or not (isinstance(self.ep, int) and self.ep >= 1):
             raise ValueError(f"expert_parallel must be an integer >= 1, got {self.ep!r}.")
@@ -95,6 +113,21 @@ class ParallelDims:
     @property
     def pp_rank(self) -> int:
         return self.global_rank // (self.dp * self.tp)
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas that see different samples: dp / sp ([Note: sequence-parallel groups])."""
+        return self.dp // self.sp
+
+    @property
+    def data_rank(self) -> int:
+        """Which samples this rank sees (its sequence-parallel group's index)."""
+        return self.dp_rank // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's slice of each sequence."""
+        return self.dp_rank % self.sp
 
     @property
     def edp(self) -> int:
@@ -134,6 +167,12 @@ class ParallelDims:
                     self.dp_param_group = g
         if self.ep > 1:
             self._build_expert_groups(timeout_s)
+        if self.sp > 1:
+            dp_ranks = self.dp_ranks(self.pp_rank, self.tp_rank)
+            for d in range(self.data_parallel):
+                g = C.new_group(dp_ranks[d * self.sp : (d + 1) * self.sp], timeout_s)
+                if d == self.data_rank:
+                    self.sp_group = g
 
     def _build_expert_groups(self, timeout_s: Optional[float]) -> None:
         """[Note: expert-parallel groups] (collective; pp = tp = 1, which the config enforces)."""

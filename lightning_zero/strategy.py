@@ -40,13 +40,15 @@ from lightning_zero.apply import ENGINES, apply_zero, place
 from lightning_zero.checkpoint.sharded import ShardedCheckpointer
 from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_zero.comm import collectives as C
-from lightning_zero.config import LossScaleConfig, ZeroConfig
+from lightning_zero.config import LossScaleConfig, SequenceConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
 from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.sequence import apply as sequence_apply
+from lightning_zero.sequence.context import SequenceContext
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
@@ -94,6 +96,7 @@ class ZeroStrategy(ParallelStrategy):
         self._zero = Engines(self.config, lambda: self.precision_plugin)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
         self._pipeline: Optional[PipelineIntegration] = None
+        self._sequence: Optional[SequenceContext] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -233,6 +236,9 @@ class ZeroStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)  # Lightning's configure_optimizers, on the placed module
             return self.optimizers
 
+        if self.config.sequence_parallel > 1 and self._sequence is None:  # sequence/apply.py, before the engines
+            self._sequence = sequence_apply.prepare_module(self.lightning_module, self.config.piece(SequenceConfig),
+                                                           self.dims)
         apply_zero(self.model, optimizers if fitting else None, self._zero, dims=self.dims, device=self.root_device,
                    precision=self.precision_plugin,
                    host=OffloadHost(self.num_processes, self.global_rank, trainer.accumulate_grad_batches > 1))
@@ -261,8 +267,16 @@ class ZeroStrategy(ParallelStrategy):
         """A new batch: the first of each kind (train, val, test, predict) runs under ReadWatch, from
         here to the next batch (read_watch.py)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._zero.watch_first(_loop_kind(trainer))
-        return super().batch_to_device(batch, device, dataloader_idx)
+        kind = _loop_kind(trainer)
+        self._zero.watch_first(kind)
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self._sequence is not None:  # this rank's slice of every sequence ([Note: sequence parallelism in the strategy])
+            if kind == "predict":
+                raise ValueError(f"sequence_parallel={self.config.sequence_parallel}: predict is not built yet "
+                                 "(each rank would return a slice of the outputs)")
+            assert self.dims is not None
+            batch = sequence_apply.split_batch(batch, self._sequence, self.dims, self.config.piece(SequenceConfig))
+        return batch
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -30,6 +30,7 @@ from lightning_zero.config.compile import COMPILE_ARGS, CompileConfig
 from lightning_zero.config.launch import LaunchConfig
 from lightning_zero.config.offload import VALID_OFFLOAD, OffloadConfig
 from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
+from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.config.step import VALID_NONFINITE, StepConfig
 
@@ -61,7 +62,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig,
+    CheckpointConfig, StepConfig, SequenceConfig,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -74,7 +75,7 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 
@@ -110,6 +111,14 @@ class ZeroConfig(LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, 
                 "reduce gradients in every backward, and a pipeline runs one backward per micro-batch. Use stage=0 or "
                 "stage=1 (which partitions optimizer states within each stage's data-parallel group), as DeepSpeed does."
             )
+        if self.sequence_parallel > 1:
+            others = {"pipeline_stages": self.pipeline_stages, "tensor_parallel": self.tensor_parallel,
+                      "expert_parallel": self.expert_parallel}
+            for name, value in others.items():
+                if value > 1:
+                    raise ValueError(f"sequence_parallel={self.sequence_parallel} with {name}={value} is not built yet.")
+            if self.compile:
+                raise ValueError(f"sequence_parallel={self.sequence_parallel} with compile is not built yet.")
         if self.expert_parallel > 1 and self.offloads:
             raise ValueError(f"expert_parallel={self.expert_parallel} with offload_optimizer/offload_params is not built yet.")
         OffloadConfig.validate_choices(self)

@@ -90,6 +90,9 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._loss_scale = loss_scale  # read by the precision setter that Fabric's __init__ calls
         if self.config.pipeline_stages > 1:
             raise NotImplementedError(PIPELINE_REFUSAL)
+        if self.config.sequence_parallel > 1:
+            raise NotImplementedError(f"sequence_parallel={self.config.sequence_parallel} under Fabric is not built yet: "
+                                      "use the Trainer's ZeroStrategy")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1,0 +1,93 @@
+"""What the strategy does for sequence parallelism: prepare the model once, split each batch.
+
+[Note: sequence parallelism in the strategy]
+At setup (before the engines exist, so nothing is gathered or cast yet), ``prepare_module`` finds the HF
+models inside the LightningModule and switches their attention to the sequence-parallel function
+(hf.py), tiles their MLPs if asked (tiled_mlp.py), and returns the ``SequenceContext`` they share. A
+LightningModule with no HF model inside is refused there, in one line. Each batch then passes
+``split_batch`` in the strategy's ``batch_to_device``: a dict with ``input_ids`` (and optionally
+``labels``, ``position_ids``, an all-ones ``attention_mask``) becomes this rank's slice with
+``position_ids``, ``shift_labels`` (so HF's loss does not shift again), ``labels`` (HF computes a loss
+only when labels are given; with ``shift_labels`` present they are not read) and ``num_items_in_batch``
+(the global count of target tokens over the group's size, so HF's summed loss divided by it is this
+rank's share of the global token mean; batch.py [Note: splitting a causal-LM batch]). The user's
+``self.model(**batch).loss`` is then unchanged. The document ids of packed rows go to the context.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.config import SequenceConfig
+from lightning_zero.parallel_dims import ParallelDims
+from lightning_zero.sequence.batch import IGNORE_INDEX, shard_batch
+from lightning_zero.sequence.context import SequenceContext
+from lightning_zero.sequence.hf import prepare_hf
+from lightning_zero.sequence.layout import SequenceLayout
+from lightning_zero.sequence.tiled_mlp import tile_mlps
+
+BATCH_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
+
+
+def hf_models(module: nn.Module) -> list[nn.Module]:
+    """The HF ``PreTrainedModel``s inside ``module`` (outermost only)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # transformers is optional
+        return []
+    found: list[nn.Module] = []
+    for m in module.modules():
+        if isinstance(m, PreTrainedModel) and not any(m in f.modules() for f in found):
+            found.append(m)
+    return found
+
+
+def prepare_module(module: nn.Module, config: SequenceConfig, dims: ParallelDims) -> SequenceContext:
+    """Switch the HF models in ``module`` to sequence-parallel attention (see [Note: sequence parallelism in
+    the strategy]); the shared context, whose layout is fixed at the first batch."""
+    models = hf_models(module)
+    if not models:
+        raise ValueError(
+            f"sequence_parallel={dims.sp}: {type(module).__name__} holds no HF transformers model whose attention "
+            "could be split over the sequence (models are prepared through transformers' attention registry)"
+        )
+    context = SequenceContext(dims.sp_group, SequenceLayout(2 * dims.sp, dims.sp, config.sequence_layout),
+                              config.sequence_attention)
+    for model in models:
+        prepare_hf(model, context)
+        if config.tiled_mlp > 1 and tile_mlps(model, config.tiled_mlp) == 0:
+            raise ValueError(f"tiled_mlp={config.tiled_mlp}: {type(model).__name__} has no submodule named 'mlp'")
+    return context
+
+
+def split_batch(batch: Any, context: SequenceContext, dims: ParallelDims, config: SequenceConfig) -> dict[str, Any]:
+    """This rank's slice of a causal-LM batch (see [Note: sequence parallelism in the strategy])."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
+        raise ValueError(f"sequence_parallel={dims.sp} splits dict batches with 'input_ids' (and optionally "
+                         f"'labels', 'position_ids'); got {type(batch).__name__}")
+    unknown = set(batch) - set(BATCH_KEYS)
+    if unknown:
+        raise ValueError(f"sequence_parallel={dims.sp}: batch keys {sorted(unknown)} cannot be split over the "
+                         f"sequence (known: {list(BATCH_KEYS)})")
+    mask = batch.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError(f"sequence_parallel={dims.sp} does not take padded batches (attention_mask with zeros): "
+                         "pack the sequences with position_ids restarting at 0 per document instead")
+    ids: Tensor = batch["input_ids"]
+    layout = SequenceLayout(ids.shape[1], dims.sp, config.sequence_layout)
+    shard = shard_batch(ids, batch.get("labels"), layout, dims.sp_rank, position_ids=batch.get("position_ids"))
+    context.layout, context.doc = layout, shard.doc
+    count = (layout_all_targets(batch, ids) != IGNORE_INDEX).sum().to(torch.float32)
+    return {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "labels": shard.shift_labels,
+            "shift_labels": shard.shift_labels, "num_items_in_batch": count / C.world_size(context.group)}
+
+
+def layout_all_targets(batch: dict[str, Any], ids: Tensor) -> Tensor:
+    """The shifted targets of the whole sequence (every rank holds the whole batch before the split)."""
+    labels = batch.get("labels")
+    labels = ids if labels is None else labels
+    return labels[:, 1:]
