@@ -23,7 +23,8 @@ Usage::
         rank0, rank1 = run.ranks("result")
 
 How it runs: ``python -m torch.distributed.run --nproc-per-node N -m tests.helpers.run_scenario NAME PARAMS OUT``
-from the repository root (``nodes > 1``: one torchrun per simulated node over a shared static rendezvous). The
+from the repository root (``nodes > 1``: one torchrun per simulated node over a shared static rendezvous;
+:func:`start_scenario` with ``launcher="python"``: one process, Lightning's own launcher starts the others). The
 parameters travel as one JSON file; each rank writes its records with ``torch.save`` (tensors allowed) through a
 temporary file and a rename, so a reader never sees half a record. The scenario ``NAME`` is ``<suite>.<what>``:
 the entry imports ``tests.<suite>.scenarios`` and calls the function registered under that name.
@@ -52,7 +53,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -178,11 +179,41 @@ def scenario_env(env: Optional[Mapping[str, str]] = None) -> dict[str, str]:
     return base
 
 
-def _command(nprocs: int, port: int, argv: Sequence[str], nodes: int, node: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}", f"--master-port={port}"]
+def write_params(out: Path, name: str, params: Optional[Mapping[str, Any]]) -> Path:
+    """``params`` as a JSON file of its own in ``out`` (several launches may share one folder)."""
+    fd, path = tempfile.mkstemp(prefix=f".{name}.", suffix=".json", dir=out)
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(params or {}), f)
+    return Path(path)
+
+
+def scenario_command(name: str, params_path: Path, out: Path, nprocs: int, launcher: str = "torchrun",
+                     port: Optional[int] = None, nodes: int = 1, node: int = 0) -> list[str]:
+    """The command line of one launch. ``torchrun``: ``nprocs`` ranks per node through torch's launcher;
+    ``python``: one process, whose Lightning ``Trainer(devices=nprocs)`` starts the others itself (Lightning
+    re-runs ``python -m tests.helpers.run_scenario ...`` with ``LOCAL_RANK`` set)."""
+    argv = ["-m", ENTRY, name, str(params_path), str(out)]
+    if launcher == "python":
+        return [sys.executable, *argv]
+    if launcher != "torchrun":
+        raise ValueError(f"launcher {launcher!r}: 'torchrun' or 'python'")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+           f"--master-port={port or free_port()}"]
     if nodes > 1:
         cmd += [f"--nnodes={nodes}", f"--node-rank={node}", "--master-addr=127.0.0.1"]
-    return cmd + ["-m", ENTRY, *argv]
+    return cmd + argv
+
+
+def start_scenario(name: str, nprocs: int, params: Optional[Mapping[str, Any]], out: Path,
+                   launcher: str = "torchrun", env: Optional[Mapping[str, str]] = None,
+                   stdout: Any = subprocess.PIPE) -> subprocess.Popen:
+    """Start one launch of scenario ``name`` in a session of its own and return it without waiting: for
+    tests that watch the processes themselves (tests/faults/launch.py: deadlines counted from an injected
+    fault, worker pids outliving the launcher). Output (stdout and stderr together) goes to ``stdout``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = scenario_command(name, write_params(out, name, params), out, nprocs, launcher)
+    return subprocess.Popen(cmd, cwd=ROOT, env=scenario_env(env), stdout=stdout, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]] = None, timeout: float = 600,
@@ -191,15 +222,13 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     ``params`` (JSON-serialisable); returns the :class:`ScenarioRun` without raising (``.check()`` raises)."""
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="scenario_"))
     out.mkdir(parents=True, exist_ok=True)
-    fd, params_path = tempfile.mkstemp(prefix=f".{name}.", suffix=".json", dir=out)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dict(params or {}), f)
-    argv = [name, params_path, str(out)]
+    params_path = write_params(out, name, params)
     run = ScenarioRun(name, nprocs * nodes, out)
     port = free_port()
     started = time.perf_counter()
-    procs = [subprocess.Popen(_command(nprocs, port, argv, nodes, node), cwd=ROOT, env=scenario_env(env),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs = [subprocess.Popen(scenario_command(name, params_path, out, nprocs, "torchrun", port, nodes, node),
+                              cwd=ROOT, env=scenario_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, start_new_session=True)
              for node in range(nodes)]
     logs: list[str] = []
     deadline = started + timeout

@@ -21,8 +21,10 @@ def main(argv: list[str]) -> None:
     from tests.helpers.harness import ScenarioContext, resolve
 
     fn = resolve(name)
-    ctx = ScenarioContext(name=name, params=json.loads(Path(params_path).read_text()), out=Path(out),
-                          rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    # torchrun sets RANK; Lightning's own launcher sets LOCAL_RANK in the processes it starts (one node)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    ctx = ScenarioContext(name=name, params=json.loads(Path(params_path).read_text()), out=Path(out), rank=rank,
+                          world_size=int(os.environ.get("WORLD_SIZE", "1")))
     result = fn(ctx)
     if result is not None:
         ctx.record("result", result)
