@@ -66,14 +66,12 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from peers import (  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
     _note, add_runner_args, child_env, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_benchmark, run_child,
     select_configs, worker_launch,
 )
-from peers_report import _escape, _fmt, _fmt_count, _versions_line, meta_record, read_records  # noqa: E402
-from presets import model_label, model_preset  # noqa: E402
+from benchmarks.peers_report import _escape, _fmt, _fmt_count, _versions_line, meta_record, read_records  # noqa: E402
+from benchmarks.presets import model_label, model_preset  # noqa: E402
 
 WORKER = HERE / "checkpoint_worker.py"
 MIB = float(2**20)

@@ -64,22 +64,18 @@ from typing import Any, Callable, Iterator, Optional, Union
 START = time.monotonic()
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (REPO, REPO / "examples", HERE):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import Strategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from lora_worker import _compact, _describe_deepspeed, _describe_fsdp  # noqa: E402
-from peers_worker import (  # noqa: E402
+from benchmarks.lora_worker import _compact, _describe_deepspeed, _describe_fsdp  # noqa: E402
+from benchmarks.peers_worker import (  # noqa: E402
     CONFIGS as PEER_CONFIGS, PRECISION, PeerConfig, _rank, _shutdown_process_group, append_record, build_module,
     count_params, device_info, run_as_row, short_reason, versions, worker_main,
 )
-from presets import model_preset  # noqa: E402
+from benchmarks.presets import model_preset  # noqa: E402
 
 MIB = 2**20
 RANK_IN_NAME = (re.compile(r"^__(\d+)_\d+\.distcp$"), re.compile(r"_rank_(\d+)_"), re.compile(r"rank[_-]?(\d+)"))
@@ -152,7 +148,7 @@ def _fsdp(args: argparse.Namespace) -> Strategy:
     checkpoint setting Lightning's FSDP guide advises for large models: ``state_dict_type="sharded"``
     (each rank writes its own shards through torch.distributed.checkpoint; the default "full" gathers
     the whole model on rank 0)."""
-    from gpt import Block
+    from examples.gpt import Block
 
     return _fsdp_class(args.device)(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, state_dict_type="sharded")
 
@@ -535,8 +531,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace, spec: CkptConfig, strategy: Strategy) -> None:
-    from data import TextDataModule
-    from gpt import GPTConfig
+    from examples.data import TextDataModule
+    from examples.gpt import GPTConfig
 
     L.seed_everything(0, verbose=False)
     torch.set_float32_matmul_precision("high")

@@ -20,9 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import peers_worker as pw  # noqa: E402  (puts the checkout and examples/ on sys.path)
+from benchmarks import peers_worker as pw  # noqa: E402
 import torch  # noqa: E402
 
 PEER_OF = {f"{p}{s}": p for p in ("single", "ddp", "fsdp", "zero3") for s in ("", "_compiled")}
@@ -30,7 +28,7 @@ PEER_OF = {f"{p}{s}": p for p in ("single", "ddp", "fsdp", "zero3") for s in (""
 
 
 def _fsdp_for_compile(args: argparse.Namespace) -> Any:
-    from gpt import Block
+    from examples.gpt import Block
     from lightning.pytorch.strategies import FSDPStrategy
 
     return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block}, use_orig_params=True)
@@ -61,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _fit(args: argparse.Namespace, spec: Any, strategy: Any) -> None:
     import lightning.pytorch as L
-    from data import TextDataModule
-    from gpt import GPTConfig
+    from examples.data import TextDataModule
+    from examples.gpt import GPTConfig
     from torch._dynamo.utils import counters
 
-    from presets import model_preset
+    from benchmarks.presets import model_preset
 
     L.seed_everything(0, verbose=False)
     torch.set_float32_matmul_precision("high")

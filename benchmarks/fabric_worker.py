@@ -21,9 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import peers_worker as pw  # noqa: E402  (puts the checkout and examples/ on sys.path)
+from benchmarks import peers_worker as pw  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -36,7 +34,7 @@ def _zero(stage: int) -> Callable[[argparse.Namespace], Any]:
 
 
 def _fsdp(args: argparse.Namespace) -> Any:
-    from gpt import Block
+    from examples.gpt import Block
     from lightning.fabric.strategies import FSDPStrategy
 
     return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
@@ -70,7 +68,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def build_module(spec: pw.PeerConfig, args: argparse.Namespace, fabric: Any, cfg: Any) -> Any:
     """The GPTModule, built where each strategy documents it for a large model."""
-    from gpt import GPTModule
+    from examples.gpt import GPTModule
 
     kwargs = {"fused": None if args.no_fused else True, "max_steps": args.warmup + args.steps, "pipeline": False}
     if spec.build_in == "configure_model":
@@ -84,11 +82,11 @@ def build_module(spec: pw.PeerConfig, args: argparse.Namespace, fabric: Any, cfg
 
 
 def _train(args: argparse.Namespace, spec: pw.PeerConfig, strategy: Any) -> None:
-    from data import TextDataModule
-    from gpt import GPTConfig
+    from examples.data import TextDataModule
+    from examples.gpt import GPTConfig
     from lightning.fabric import Fabric
 
-    from presets import model_preset
+    from benchmarks.presets import model_preset
 
     fabric = Fabric(accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.devices, strategy=strategy,
                     precision=pw.PRECISION)

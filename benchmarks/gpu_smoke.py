@@ -5,17 +5,14 @@ CUDA-only bug costs seconds, not a benchmark slot. Usage: python benchmarks/gpu_
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import lightning.pytorch as L  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from gpt import GPTConfig, GPTModule  # noqa: E402
+from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 
 
 class Losses(L.Callback):

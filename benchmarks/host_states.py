@@ -16,13 +16,9 @@ import argparse
 import datetime
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_zero.offload.cpu import AdamHyper  # noqa: E402
 from lightning_zero.optim.host_states import PRECISIONS, HostAdamState, bytes_per_param, load_host_op, step  # noqa: E402

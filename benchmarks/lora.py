@@ -57,16 +57,14 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from peers import (  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
     _note, add_runner_args, child_env, dist_version, nvidia_smi, run_benchmark, run_once, select_configs, worker_launch,
 )
-from peers_report import (  # noqa: E402
+from benchmarks.peers_report import (  # noqa: E402
     GIB, Row, Target, _attempt_records, _escape, _fmt, _fmt_count, _fmt_tokens, _versions_line,
     build_row, meta_record, render_targets,
 )
-from presets import (  # noqa: E402
+from benchmarks.presets import (  # noqa: E402
     LORA, LORA_BASELINE, LORA_FSDP_VARIANTS, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset,
 )
 

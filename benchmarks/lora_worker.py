@@ -47,9 +47,6 @@ from typing import Any, Callable, Optional, Union
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-for _p in (REPO, HERE):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -61,11 +58,11 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from peers_worker import (  # noqa: E402
+from benchmarks.peers_worker import (  # noqa: E402
     StepTimer, _shutdown_process_group, _version, append_record, device_info, run_as_row, short_reason, versions,
     worker_main,
 )
-from presets import LORA, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset  # noqa: E402
+from benchmarks.presets import LORA, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset  # noqa: E402
 
 LR = 1e-4
 

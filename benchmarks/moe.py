@@ -19,20 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
-
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from gpt import GPTConfig, GPTModule  # noqa: E402
+from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 
 GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024)

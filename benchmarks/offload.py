@@ -104,15 +104,18 @@ def model_shape(name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- worker
+def _repo_pythonpath() -> str:
+    """The child's PYTHONPATH: the checkout first (it imports ``lightning_zero``, ``benchmarks`` and ``examples``)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Build the strategy, train warmup + steps on random tokens, return timings and memory."""
-    for p in (REPO, REPO / "examples"):
-        sys.path.insert(0, str(p))
     import lightning.pytorch as L
     import torch
     from torch.utils.data import DataLoader, Dataset
 
-    from gpt import GPT, GPTModule
+    from examples.gpt import GPT, GPTModule
 
     cfg = model_shape(args.model)
     cuda = args.device == "cuda"
@@ -164,7 +167,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     elif args.config == "fsdp_cpu_offload":
         if not cuda:
             return {"status": "skipped", "reason": "FSDP CPU offload needs CUDA"}
-        from gpt import Block
+        from examples.gpt import Block
         from lightning.pytorch.strategies import FSDPStrategy
 
         strategy = FSDPStrategy(cpu_offload=True, auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
@@ -228,7 +231,7 @@ def run_config(args: argparse.Namespace, config: str) -> dict[str, Any]:
         with HostMemoryWatch() as watch:
             try:
                 proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.config_timeout_s,
-                                      env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+                                      env=dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=_repo_pythonpath()))
             except subprocess.TimeoutExpired as err:
                 partial = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
                 steps = [line for line in partial.splitlines() if line.startswith("step ")]

@@ -41,15 +41,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from data import TextDataModule  # noqa: E402
-from gpt import GPT, GPTConfig, lr_lambda  # noqa: E402
+from examples.data import TextDataModule  # noqa: E402
+from examples.gpt import GPT, GPTConfig, lr_lambda  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.optim import OneBitAdam, OneBitLamb  # noqa: E402
 

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from lightning_zero.ops import get_op, pack_signs, unpack_signs  # noqa: E402
 from lightning_zero.optim import FusedAdam, FusedLamb  # noqa: E402
 

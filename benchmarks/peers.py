@@ -52,10 +52,8 @@ from typing import Callable, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from peers_report import append_section, read_records, render_section  # noqa: E402
-from presets import PEERS, baseline, default_peers, model_label, model_preset  # noqa: E402
+from benchmarks.peers_report import append_section, read_records, render_section  # noqa: E402
+from benchmarks.presets import PEERS, baseline, default_peers, model_label, model_preset  # noqa: E402
 
 WORKER = HERE / "peers_worker.py"
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

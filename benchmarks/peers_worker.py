@@ -34,18 +34,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 REPO = Path(__file__).resolve().parent.parent
-for _p in (REPO, REPO / "examples"):  # `import lightning_zero` from the checkout; `gpt`/`data` from examples/
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
 import lightning.pytorch as L  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
 from lightning.pytorch.strategies import Strategy  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from overlap import comm_overlap  # noqa: E402
-from presets import PEERS, model_preset  # noqa: E402
+from benchmarks.overlap import comm_overlap  # noqa: E402
+from benchmarks.presets import PEERS, model_preset  # noqa: E402
 
 PRECISION = "bf16-mixed"
 """Every configuration trains in bf16 mixed precision (each strategy's own meaning of it)."""
@@ -88,7 +84,7 @@ def _ddp(args: argparse.Namespace) -> str:
 
 def _fsdp(args: argparse.Namespace) -> Strategy:
     """Lightning's FSDP, FULL_SHARD, one FSDP unit per transformer block (Lightning's recommended setup)."""
-    from gpt import Block
+    from examples.gpt import Block
     from lightning.pytorch.strategies import FSDPStrategy
 
     return FSDPStrategy(sharding_strategy="FULL_SHARD", auto_wrap_policy={Block})
@@ -480,7 +476,7 @@ def device_info(device: torch.device) -> tuple[str, Optional[float]]:
 def count_params(cfg: Any) -> int:
     """Parameters of the network, counted on the meta device (exact, free, and independent of how a
     strategy has sharded or flattened the real ones)."""
-    from gpt import GPT
+    from examples.gpt import GPT
 
     with torch.device("meta"):
         return sum(p.numel() for p in GPT(cfg).parameters())
@@ -488,7 +484,7 @@ def count_params(cfg: Any) -> int:
 
 def build_module(spec: PeerConfig, args: argparse.Namespace, trainer: Trainer, cfg: Any) -> LightningModule:
     """The GPTModule, constructed where ``spec.build_in`` says (see :class:`PeerConfig`)."""
-    from gpt import GPT, GPTModule
+    from examples.gpt import GPT, GPTModule
 
     # The LR horizon is the warm-up + timed steps with or without --profile (profiled steps after it run
     # at the final LR), so a profiling run's timed steps are those of a plain run. Every configuration
@@ -664,8 +660,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fit(args: argparse.Namespace, spec: PeerConfig, strategy: Any) -> None:
-    from data import TextDataModule
-    from gpt import GPTConfig
+    from examples.data import TextDataModule
+    from examples.gpt import GPTConfig
 
     L.seed_everything(0, verbose=False)
     torch.set_float32_matmul_precision("high")

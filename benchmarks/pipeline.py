@@ -28,7 +28,6 @@ import datetime as dt
 import gc
 import math
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -39,16 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent), str(HERE.parent / "examples"), str(HERE)]
-
 import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from gpt import Block, GPTConfig  # noqa: E402  (examples/gpt.py)
+from examples.gpt import Block, GPTConfig  # noqa: E402  (examples/gpt.py)
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec, theoretical_bubble  # noqa: E402
 from lightning_zero.pipeline.partition import balanced  # noqa: E402
-from presets import model_preset  # noqa: E402
+from benchmarks.presets import model_preset  # noqa: E402
 
 
 class Embeddings(nn.Module):

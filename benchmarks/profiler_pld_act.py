@@ -35,9 +35,6 @@ from typing import Any, Optional
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "examples"))
-
 GPT_1B_SEQ2048 = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=2048)
 """conf/model/gpt_1b.yaml at the issue's sequence length."""
 GPT_350M = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=1024, seq_len=1024)
@@ -87,7 +84,7 @@ class StepTimer:
 
 def section_prof(out: Path) -> str:
     import lightning.pytorch as L
-    from gpt import GPTConfig, GPTModule, flops_per_token
+    from examples.gpt import GPTConfig, GPTModule, flops_per_token
 
     from lightning_zero.profiler import FlopsProfiler
 
@@ -127,8 +124,8 @@ def section_prof(out: Path) -> str:
 # ---------------------------------------------------------------------------------------------- pld
 def section_pld(out: Path, steps: int = 300) -> str:
     import lightning.pytorch as L
-    from data import TextDataModule
-    from gpt import GPTModule
+    from examples.data import TextDataModule
+    from examples.gpt import GPTModule
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from lightning_zero.callbacks import ProgressiveLayerDrop
@@ -177,7 +174,7 @@ def section_pld(out: Path, steps: int = 300) -> str:
 # ---------------------------------------------------------------------------------------------- act
 def act_worker(mode: str, compare_mb: Optional[int], deadline: float) -> dict[str, Any]:
     """One process: the largest micro-batch of ``mode`` ('plain' | 'offload') and tokens/s."""
-    from gpt import GPT, GPTConfig
+    from examples.gpt import GPT, GPTConfig
 
     from lightning_zero.activations import HostOffloader, checkpoint
 
@@ -261,7 +258,9 @@ def section_act(out: Path, deadline: float) -> str:
         cmd = [sys.executable, __file__, "--act-worker", mode, "--act-deadline", str(time.time() + left - 25)]
         if compare is not None:
             cmd += ["--compare-mb", str(compare)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 60, cwd=REPO)
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # the checkout first
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 60, cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=path))
         (out / f"act_{mode}.log").write_text(proc.stdout + proc.stderr)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:

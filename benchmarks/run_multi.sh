@@ -103,8 +103,11 @@ case "$CALL" in
                  "p1_zero2=stages=1,stage=2" "p2_bf16=stages=2,precision=bf16-mixed,steps=10"; do
         (( $(left) < 120 )) && break
         mkdir -p /tmp/pipe_one
+        python3 -c 'import json, sys; n, _, s = sys.argv[1].partition("="); print(json.dumps({"runs": {n: s}}))' \
+          "$cfg" > /tmp/pipe_one/params.json
         LZ_TEST_ACCELERATOR=gpu LZ_HANG_DUMP_S=50 timeout 70 $TORCHRUN 2 tests/helpers/hang_dump.py \
-          tests/pipeline/pipe_worker.py /tmp/pipe_one "$cfg" > "$OUT/pipe_${cfg%%=*}.log" 2>&1
+          -m tests.helpers.run_scenario pipeline.pipe /tmp/pipe_one/params.json /tmp/pipe_one \
+          > "$OUT/pipe_${cfg%%=*}.log" 2>&1
         echo "pipeline ${cfg%%=*}: exit $?" >> "$OUT/laneA.log"
       done
     fi

@@ -31,13 +31,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from peers import (  # noqa: E402
+from benchmarks.peers import (  # noqa: E402
     add_gpt_args, add_runner_args, child_env, meta as peers_meta, run_benchmark, run_once, select_configs, worker_launch,
 )
-from peers_report import Row, Target, _fmt, render_gpt_section  # noqa: E402
-from presets import llama_preset  # noqa: E402
+from benchmarks.peers_report import Row, Target, _fmt, render_gpt_section  # noqa: E402
+from benchmarks.presets import llama_preset  # noqa: E402
 
 WORKER = HERE / "tp_worker.py"
 ALL = ["gpt_zero", "gpt_mps", "llama_zero", "llama_mps"]

@@ -23,9 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import peers_worker as pw  # noqa: E402  (puts the checkout and examples/ on sys.path)
+from benchmarks import peers_worker as pw  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import LightningModule  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
@@ -85,7 +83,7 @@ def parallelize_network(module: LightningModule, network: torch.nn.Module, plan_
 
 
 def gpt_module(args: argparse.Namespace, cfg: Any) -> LightningModule:
-    from gpt import GPT, Block, GPTModule
+    from examples.gpt import GPT, Block, GPTModule
 
     from lightning_zero.parallel import tp_plan_gpt
 
@@ -133,7 +131,7 @@ class LlamaModule(LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from lora_worker import llama_config
+        from benchmarks.lora_worker import llama_config
         from transformers import LlamaForCausalLM
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -162,15 +160,15 @@ class LlamaModule(LightningModule):
 def _fit(args: argparse.Namespace, strategy: Any) -> None:
     import lightning.pytorch as L
 
-    from presets import llama_preset, model_preset
+    from benchmarks.presets import llama_preset, model_preset
 
     L.seed_everything(0, verbose=False)
     torch.set_float32_matmul_precision("high")
     timer = pw.StepTimer(args.warmup)
     trainer = pw.build_trainer(args, strategy, timer)
     if args.config.startswith("gpt"):
-        from data import TextDataModule
-        from gpt import GPTConfig
+        from examples.data import TextDataModule
+        from examples.gpt import GPTConfig
 
         cfg = GPTConfig(**model_preset(args.model))
         model: Any = gpt_module(args, cfg)

@@ -1,4 +1,5 @@
-"""Session fixtures: each torchrun launch of ckpt_worker.py runs once, the first time a test needs it.
+"""Session fixtures: each launch of scenario ``checkpoint.plan`` (scenarios.py) runs once, the first time a
+test needs it.
 
 * ``written`` (2 ranks): the zero3 reference run (6 steps, ModelCheckpoint every 3 steps), the same with
   ``checkpoint_async=True``, a ddp resume from the consolidated step-3 checkpoint, a zero3 resume from

@@ -1,27 +1,24 @@
-"""Run tests/checkpoint/ckpt_worker.py under torchrun (CPU, gloo) and load what each rank wrote.
+"""Run scenario ``checkpoint.plan`` (tests/checkpoint/scenarios.py) through the distributed-test harness
+(tests/helpers/harness.py) and view what each rank recorded.
 
-Like tests/zoo/launch.py, a failing, killed or hanging worker does not raise here: every step that
-finished is loaded, and a test that needs a missing one fails with the worker's output. The whole
-process tree runs in a session of its own and is killed on a timeout (no test can hang CI).
+Like the zoo, a failing, killed or hanging launch does not raise here: every step that finished is loaded,
+and a test that needs a missing one fails with the worker's output. The harness kills the whole process tree
+on a timeout (no test can hang CI).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
+from tests.helpers.harness import ScenarioRun, run_scenario
+from tests.helpers.launch import ROOT
 
-from tests.helpers.launch import ROOT, free_port
-
-WORKER = ROOT / "tests/checkpoint/ckpt_worker.py"
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
 
 def clean_env() -> dict[str, str]:
@@ -34,25 +31,45 @@ def clean_env() -> dict[str, str]:
 
 @dataclass
 class Launch:
-    """One torchrun's steps: name -> per-rank results (see ckpt_worker.py), plus how it ended."""
+    """One launch's steps: name -> per-rank results (see scenarios.py), plus how it ended."""
 
-    tmp: Path
-    nproc: int
-    results: dict[str, list[Optional[dict[str, Any]]]] = field(default_factory=dict)
-    returncode: Optional[int] = None
-    timed_out: bool = False
-    log: str = ""
-    seconds: float = 0.0
+    run: ScenarioRun
+    steps: list[str]
 
-    def _how(self) -> str:
-        return "timed out" if self.timed_out else f"exited with {self.returncode}"
+    @property
+    def tmp(self) -> Path:
+        return self.run.out
+
+    @property
+    def nproc(self) -> int:
+        return self.run.nprocs
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.run.returncode
+
+    @property
+    def timed_out(self) -> bool:
+        return self.run.timed_out
+
+    @property
+    def log(self) -> str:
+        return self.run.log
+
+    @property
+    def seconds(self) -> float:
+        return self.run.seconds
+
+    @property
+    def results(self) -> dict[str, list[Optional[dict[str, Any]]]]:
+        return {name: self.run.ranks(name) for name in self.steps}
 
     def ranks(self, name: str) -> list[dict[str, Any]]:
         """Every rank's result of step ``name``; fails the calling test when a rank has none."""
-        got = self.results.get(name, [])
+        got = self.run.ranks(name) if name in self.steps else []
         if len(got) != self.nproc or any(r is None for r in got):
             have = [i for i, r in enumerate(got) if r is not None]
-            raise AssertionError(f"{name}: results of ranks {have} of {self.nproc} only (worker {self._how()}). "
+            raise AssertionError(f"{name}: results of ranks {have} of {self.nproc} only (worker {self.run.how()}). "
                                  f"Worker output:\n{self.log[-8000:]}")
         return got  # type: ignore[return-value]
 
@@ -66,33 +83,8 @@ class Launch:
 
 
 def launch(tmp: Path, nproc: int, plan: list[dict[str, Any]], timeout: int = 300) -> Launch:
-    tmp.mkdir(parents=True, exist_ok=True)
-    plan_path = tmp / "plan.json"
-    plan_path.write_text(json.dumps(plan, indent=1))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(WORKER), str(tmp), str(plan_path),
-    ]
-    run = Launch(tmp, nproc)
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        run.timed_out = True
-    run.returncode = proc.returncode
-    run.log = out or ""
-    run.seconds = time.perf_counter() - started
-    for step in plan:
-        per_rank: list[Optional[dict[str, Any]]] = []
-        for r in range(nproc):
-            path = tmp / f"{step['name']}.rank{r}.pt"
-            per_rank.append(torch.load(path, weights_only=False) if path.exists() else None)
-        run.results[step["name"]] = per_rank
-    return run
+    run = run_scenario("checkpoint.plan", nprocs=nproc, params={"plan": plan}, timeout=timeout, out=tmp, env=CPU_ONLY)
+    return Launch(run, [step["name"] for step in plan])
 
 
 def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: trains the example GPT (tiny) with torch.compile under several strategies.
+"""Scenario ``compile.compile`` (tests/helpers/harness.py): trains the example GPT (tiny) with torch.compile under several strategies.
 
-Usage: torchrun --nproc-per-node N tests/compile/compile_worker.py OUT NAME=SPEC [NAME=SPEC ...]
+Runs ``{NAME: SPEC}`` (``run_worker``);
 SPEC is ``kind[:key=value,...]`` with kind ``ddp`` or ``zeroK``. Keys: compile (how the network is
 compiled: ``net`` = ``self.model = torch.compile(self.model)``, ``netfull`` = the same with
 fullgraph=True, ``method`` = ``self.model.compile()``, ``blocks`` = each block ``.compile(fullgraph=True)``,
@@ -23,7 +23,6 @@ from typing import Any, Callable
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 warnings.filterwarnings("ignore")
 
@@ -35,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_zero  # noqa: E402
 from gpt import GPTConfig, GPTModule  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 
 VOCAB, SEQ, N_LAYER = 64, 16, 3
 
@@ -185,5 +185,7 @@ def run(name: str, spec: str, out: str) -> None:
     save_result(result, per_rank, out, name)
 
 
-if __name__ == "__main__":
-    run_specs(run)
+
+@scenario("compile.compile")
+def runs(ctx: ScenarioContext) -> None:
+    run_specs(run, ctx)

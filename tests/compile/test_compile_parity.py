@@ -1,6 +1,6 @@
 """torch.compile under every stage (issue #16): the example GPT, compiled, on 2 gloo ranks against compiled ddp.
 
-One ``torchrun`` trains every configuration in one process group (start-up dominates on 2 cores);
+One launch (scenario ``compile.compile``) trains every configuration in one process group (start-up dominates on 2 cores);
 the tests only read the results. The compiled graphs come from a counting backend around
 ``aot_eager`` (and once around CPU inductor), so the tests see how often compiled code ran per step,
 not only what dynamo compiled.
@@ -8,15 +8,10 @@ not only what dynamo compiled.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.launch import run_worker
 
 UNITS = ["model._orig_mod.blocks.0", "model._orig_mod.blocks.1", "model._orig_mod.blocks.2"]
 PLAIN_UNITS = [u.replace("_orig_mod.", "") for u in UNITS]
@@ -45,16 +40,8 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("compile")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="",
-               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"))
-    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED"):
-        env.pop(leaked, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(ROOT / "tests/compile/compile_worker.py"), str(tmp)] + [f"{k}={v}" for k, v in RUNS.items()]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return {k: torch.load(Path(tmp) / f"{k}.pt", weights_only=False) for k in RUNS}
+    env = {"CUDA_VISIBLE_DEVICES": "", "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
+    return run_worker(tmp, 2, RUNS, timeout=900, scenario="compile.compile", env=env)
 
 
 def _max_diff(a: list[float], b: list[float]) -> float:

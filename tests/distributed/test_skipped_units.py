@@ -1,4 +1,4 @@
-"""Data-dependent control flow (one torchrun launch, skip_worker.py).
+"""Data-dependent control flow (one launch of scenario ``distributed.skipped_units``, skip_runs.py).
 
 Issue #14: under ZeRO-3 a unit skipped on one rank only used to mismatch the gather collectives and
 hang; gathers now catch up with the recorded order (stage3.py [Note: units skipped on one rank]) and
@@ -7,27 +7,18 @@ torch's optimizers and ddp leave them (zero/unused.py [Note: parameters unused o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.harness import run_scenario
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("skip")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
-    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED"):
-        env.pop(leaked, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(ROOT / "tests/distributed/skip_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_scenario("distributed.skipped_units", nprocs=2, timeout=600, out=out, env={"CUDA_VISIBLE_DEVICES": ""}).check()
     return {p.stem: torch.load(p) for p in Path(out).glob("*.pt")}
 
 

@@ -3,16 +3,13 @@ sharded initialisation under a memory cap."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed.test_zero_stages import _rel, _weights_rel
-from tests.helpers.launch import ROOT, free_port, run_worker
+from tests.helpers.harness import run_scenario
+from tests.helpers.launch import run_worker
 
 
 @pytest.fixture(scope="module")
@@ -68,15 +65,11 @@ def test_live_units_bounded_by_prefetch(z3_two: dict[str, dict], name: str, pref
 
 
 def test_sharded_init_never_materialises_the_whole_model(tmp_path: Path) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", CUDA_VISIBLE_DEVICES="")
-    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
-        env.pop(leaked, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(ROOT / "tests/helpers/sharded_init_worker.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = run_scenario("distributed.sharded_init", nprocs=2, timeout=600, out=tmp_path,
+                       env={"MALLOC_MMAP_THRESHOLD_": "65536", "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.log[-4000:]
     for rank in range(2):
-        rec = json.loads((tmp_path / f"sharded_init_{rank}.json").read_text())
+        rec = run.ranks("result")[rank]
         assert rec["shapes_true"] and rec["resident_param_bytes"] == 0
         # the cap: no rank's memory ever grew by 3/4 of the full model (building it whole costs >= 1x)
         assert rec["peak_extra_bytes"] < 0.75 * rec["full_bytes"], rec

@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: a hand-written Fabric loop (or a Trainer resuming a Fabric checkpoint).
+"""Scenario ``fabric.runs`` (tests/helpers/harness.py): a hand-written Fabric loop (or a Trainer resuming a Fabric checkpoint).
 
-Usage: torchrun --nproc-per-node N tests/fabric/fabric_worker.py OUT NAME=SPEC [NAME=SPEC ...]
+Runs ``{NAME: SPEC}`` (``run_worker``);
 SPEC is ``KIND[:key=value,...]`` with KIND ``ddp``, a registered name (``zero1``, ``zero3_offload``...)
 or ``trainer-zeroK`` (a Trainer with ZeroStrategy(stage=K) that fits from ``load``). Keys: steps,
 accum (micro-batches per step, accumulated under ``fabric.no_backward_sync``), clip (max_norm),
@@ -19,14 +19,12 @@ of a run saved on 2 continues the same trajectory).
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -36,7 +34,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from tests.helpers.dist_worker import parse  # noqa: E402
+from tests.helpers.parity_runs import parse  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.parity_model import DIM, VOCAB, Block, RandomTokens  # noqa: E402
 from tests.helpers.worker_io import save_atomic  # noqa: E402
 
@@ -193,10 +192,10 @@ def trainer_run(kind: str, opts: dict[str, str]) -> dict[str, Any]:
     return {"losses": list(model.losses), "weights": strategy.full_state_dict()}
 
 
-def main() -> None:
-    out = sys.argv[1]
-    for item in sys.argv[2:]:
-        name, _, spec = item.partition("=")
+@scenario("fabric.runs")
+def runs(ctx: ScenarioContext) -> None:
+    out = str(ctx.out)
+    for name, spec in ctx.params["runs"].items():
         kind, opts = parse(spec)
         for key in ("load", "raw"):
             if key in opts and not os.path.isabs(opts[key]):
@@ -206,6 +205,3 @@ def main() -> None:
             save_atomic(result, os.path.join(out, f"{name}.pt"))
         torch.distributed.barrier()
 
-
-if __name__ == "__main__":
-    main()

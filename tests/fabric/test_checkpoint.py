@@ -11,7 +11,7 @@ import torch
 from lightning_zero.checkpoint import consolidate, is_sharded_checkpoint
 from tests.helpers.launch import run_worker
 
-WORKER = "tests/fabric/fabric_worker.py"
+SCENARIO = "fabric.runs"
 COMMON = "accum=2,clip=0.5"
 
 
@@ -23,7 +23,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dic
     runs = run_worker(tmp, 2, {
         "a": f"zero3:steps=6,save=3,{COMMON}",
         "trainer": f"trainer-zero3:steps=2,first=4,load=a_ckpt,{COMMON}",
-    }, timeout=900, script=WORKER)
+    }, timeout=900, scenario=SCENARIO)
     return tmp, runs
 
 
@@ -35,7 +35,7 @@ def test_the_checkpoint_is_a_sharded_directory(saved: tuple[Path, dict[str, dict
 
 def test_zero3_on_2_ranks_resumes_exactly_under_zero2_on_3(saved: tuple[Path, dict[str, dict]]) -> None:
     tmp, runs = saved
-    b = run_worker(tmp, 3, {"b": f"zero2:steps=2,first=4,load={tmp / 'a_ckpt'},{COMMON}"}, script=WORKER)["b"]
+    b = run_worker(tmp, 3, {"b": f"zero2:steps=2,first=4,load={tmp / 'a_ckpt'},{COMMON}"}, scenario=SCENARIO)["b"]
     a = runs["a"]
     assert b["losses"] == pytest.approx(a["losses"][8:], abs=1e-5)  # steps 4 and 5, 2 micro-batches each
     assert b["norms"] == pytest.approx(a["norms"][4:], rel=1e-5)
@@ -56,6 +56,6 @@ def test_load_raw_reads_the_consolidated_file(saved: tuple[Path, dict[str, dict]
     out = consolidate(tmp / "a_ckpt", tmp / "a_full.ckpt", progress=False)
     full = torch.load(out, weights_only=False)
     assert full["step"] == 3  # the Fabric state's own entries come along
-    r = run_worker(tmp, 2, {"r": f"zero3:steps=1,raw={out},{COMMON}"}, script=WORKER)["r"]
+    r = run_worker(tmp, 2, {"r": f"zero3:steps=1,raw={out},{COMMON}"}, scenario=SCENARIO)["r"]
     for k, v in full["state_dict"].items():
         torch.testing.assert_close(r["weights0"][k], v, msg=k)

@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers.launch import run_worker
 
-WORKER = "tests/fabric/fabric_worker.py"
+SCENARIO = "fabric.runs"
 STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
 COMMON = "steps=4,accum=2,clip=0.5"
 
@@ -24,7 +24,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     specs["after_meta"] = "zero2:steps=3,accum=2,clip=0.5,first=1,load=meta_ckpt"
     specs["bf16"] = "zero2:steps=3,accum=1,clip=0,precision=bf16-mixed"
     specs["fp16"] = "zero2:steps=4,accum=1,clip=0.5,precision=16-mixed,inject=1"
-    return run_worker(tmp, 2, specs, timeout=900, script=WORKER)
+    return run_worker(tmp, 2, specs, timeout=900, scenario=SCENARIO)
 
 
 @pytest.mark.parametrize("stage", STAGES)

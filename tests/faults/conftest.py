@@ -1,6 +1,6 @@
 """Fault-injection launches (issue #14), each run once per session, the first time a test needs it.
 
-A *case* is one launch of tests/faults/fault_worker.py on 2 gloo ranks (one fault each: every fault
+A *case* is one launch of scenario ``faults.plan`` (fault_runs.py) on 2 gloo ranks (one fault each: every fault
 needs a job of its own), named ``<strategy>-<fault>-<launcher>``; the kill-and-resume cases are two
 launches in a row. The cases the selected tests need are launched together when the first of them is
 asked for, ``FAULTS_JOBS`` at a time (default 2; set 1 on a busy machine).

@@ -1,5 +1,6 @@
-"""Launch tests/faults/fault_worker.py on 2 CPU/gloo ranks, under torchrun or Lightning's own launcher,
-with a hard wall-clock limit, and collect how every process ended.
+"""Launch scenario ``faults.plan`` (tests/faults/fault_runs.py) through the harness (tests/helpers/harness.py:
+``start_scenario``) on 2 CPU/gloo ranks, under torchrun or Lightning's own launcher, with a hard wall-clock limit,
+and collect how every process ended.
 
 Nothing here raises on a failed, killed or hanging worker: the launcher runs in a session of its own and
 is killed (its process group, then every worker pid the workers wrote) when the limit is reached; the
@@ -12,17 +13,15 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from tests.checkpoint.launch import clean_env
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.harness import start_scenario
 
-WORKER = ROOT / "tests/faults/fault_worker.py"
+LAUNCHERS = {"torchrun": "torchrun", "lightning": "python"}
+"""This suite's launcher names -> the harness's (``python``: one process, Lightning's launcher starts rank 1)."""
 LIMIT_S = 60.0
 """Every process of a failing job must be gone this long after the fault fired."""
 STARTUP_LIMIT_S = 180.0
@@ -110,14 +109,7 @@ def launch(out: Path, plan: list[dict[str, Any]], launcher: str, limit: float = 
     (``OUT/fault_time``, written by the worker), or ``startup_limit`` after the launch when no fault
     fired (a run without a fault, or one that never reached it). Past that, everything is killed."""
     out.mkdir(parents=True, exist_ok=True)
-    spec = out / "plan.json"
-    spec.write_text(json.dumps(plan, indent=1))
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}",
-               f"--master-port={free_port()}", str(WORKER), str(out), str(spec)]
-    elif launcher == "lightning":
-        cmd = [sys.executable, str(WORKER), str(out), str(spec)]
-    else:
+    if launcher not in LAUNCHERS:
         raise ValueError(launcher)
     run = FaultRun(launcher, out)
     log_path = out / "output.log"
@@ -143,8 +135,8 @@ def launch(out: Path, plan: list[dict[str, Any]], launcher: str, limit: float = 
         return got
 
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_scenario("faults.plan", NPROC, {"plan": plan}, out, launcher=LAUNCHERS[launcher],
+                              env={"CUDA_VISIBLE_DEVICES": ""}, stdout=log_file)
         # the launcher and, since torchrun starts its workers in sessions of their own, every worker pid
         while (proc.poll() is None or any(_alive(pid) for pid in pids().values())) and time.monotonic() < deadline():
             time.sleep(0.1)

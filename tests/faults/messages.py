@@ -1,4 +1,4 @@
-"""The injected errors' messages, shared by tests/faults/fault_worker.py and the tests (which must not
+"""The injected errors' messages, shared by tests/faults/fault_runs.py and the tests (which must not
 import the worker: it replaces the streams of the process that runs it)."""
 
 from __future__ import annotations

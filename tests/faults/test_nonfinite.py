@@ -1,5 +1,5 @@
-"""Non-finite steps and failed checkpoint saves (issue #27 items 3 and 4), one 2-rank torchrun of
-tests/faults/nonfinite_worker.py running every scenario in turn (CPU, gloo).
+"""Non-finite steps and failed checkpoint saves (issue #27 items 3 and 4), one 2-rank launch of
+scenario ``faults.nonfinite`` (nonfinite_runs.py) running every case in turn (CPU, gloo).
 
 - A NaN loss at global step 2 under fp32 and bf16, stages 1-3 and zero3_offload, with the default
   ``nonfinite='skip'``: the full weights and optimizer states after step 2 equal those before it
@@ -16,11 +16,8 @@ tests/faults/nonfinite_worker.py running every scenario in turn (CPU, gloo).
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +25,8 @@ import pytest
 import torch
 
 from lightning_zero.checkpoint.consolidate import load_consolidated
-from tests.checkpoint.launch import clean_env
-from tests.helpers.launch import ROOT, free_port
+from tests.helpers.harness import run_scenario
 
-WORKER = ROOT / "tests/faults/nonfinite_worker.py"
 SKIP_CASES = [(s, p) for s in ("zero1", "zero2", "zero3", "zero3_offload") for p in ("32-true", "bf16-mixed")]
 NAN_AT = 2
 
@@ -73,12 +68,9 @@ class Run:
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
     tmp = tmp_path_factory.mktemp("nonfinite")
     plan = _plan(tmp)
-    (tmp / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(WORKER), str(tmp), str(tmp / "plan.json")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=900)
-    return Run(tmp, proc.returncode, proc.stdout, [s["name"] for s in plan])
+    proc = run_scenario("faults.nonfinite", nprocs=2, params={"plan": plan}, timeout=900, out=tmp,
+                        env={"CUDA_VISIBLE_DEVICES": ""})
+    return Run(tmp, proc.returncode, proc.log, [s["name"] for s in plan])
 
 
 @pytest.mark.slow

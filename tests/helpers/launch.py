@@ -1,13 +1,13 @@
-"""Launch tests/helpers/dist_worker.py under torchrun on CPU/gloo and load its results."""
+"""The launch environment of the distributed tests (``worker_env``, ``user_env``, ``LZ_TEST_ACCELERATOR``) and
+``run_worker``, the named-runs front of the harness (tests/helpers/harness.py)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,8 +22,8 @@ def worker_accelerator() -> str:
 
 
 def skip_without_gpus(nproc: int) -> None:
-    """Skip the calling fixture when its workers run on GPUs (``LZ_TEST_ACCELERATOR=gpu``) and there are
-    fewer than ``nproc``: NCCL refuses two ranks on one GPU. On CPU (gloo) nothing is skipped."""
+    """Skip the calling test or fixture when its workers run on GPUs (``LZ_TEST_ACCELERATOR=gpu``) and there
+    are fewer than ``nproc``: NCCL refuses two ranks on one GPU. On CPU (gloo) nothing is skipped."""
     if worker_accelerator() == "gpu" and torch.cuda.device_count() < nproc:
         import pytest
 
@@ -61,51 +61,24 @@ def user_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _clean_env() -> dict[str, str]:
-    env = worker_env()
-    for leaked in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "PL_GLOBAL_SEED",
-                   "LOCAL_WORLD_SIZE"):
-        env.pop(leaked, None)  # left behind by in-process Lightning runs of other tests
-    return env
-
-
 def run_worker(tmp: Path, nproc: int, runs: dict[str, str], timeout: int = 600,
-               script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
-    """Run ``script OUT NAME=SPEC...`` under torchrun; each run's ``OUT/NAME.pt`` (written by rank 0)."""
-    skip_without_gpus(nproc)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(ROOT / script), str(tmp),
-    ] + [f"{k}={v}" for k, v in runs.items()]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
+               scenario: str = "distributed.parity", nodes: int = 1,
+               env: Optional[dict[str, str]] = None) -> dict[str, dict]:
+    """Run the named runs ``{NAME: SPEC}`` of a multi-run scenario (tests/helpers/worker_io.py: ``run_specs``,
+    ``run_against_oracle``) through the harness; each run's ``OUT/NAME.pt`` (written by rank 0). ``nodes``:
+    that many simulated nodes of ``nproc`` ranks, one torchrun each with ``--nnodes``, its ``--node-rank`` and a
+    common static rendezvous (what a multi-node job's launch looks like). ``env``: on top of the harness's."""
+    from tests.helpers.harness import run_scenario
+
+    run = run_scenario(scenario, nprocs=nproc, params={"runs": runs}, timeout=timeout, out=tmp, nodes=nodes,
+                       env=env).check()
+    missing = [k for k in runs if run.saved(k) is None]
+    if missing:
+        raise AssertionError(f"{scenario}: no result for {missing}:\n{run.log[-8000:]}")
+    return {k: run.saved(k) for k in runs}
 
 
 def run_worker_nodes(tmp: Path, nodes: int, nproc: int, runs: dict[str, str], timeout: int = 600,
-                     script: str = "tests/helpers/dist_worker.py") -> dict[str, dict]:
-    """``run_worker`` as ``nodes`` simulated nodes on this machine: one torchrun per node, each with
-    ``--nnodes``, its ``--node-rank`` and a common static rendezvous (what a multi-node job's launch
-    looks like), so anything that reads ranks per node sees the launcher's values."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node-rank={node}",
-             f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-             str(ROOT / script), str(tmp)] + [f"{k}={v}" for k, v in runs.items()],
-            cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in range(nodes)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise AssertionError(f"node(s) failed {failed}:\n" + "\n".join(o[-4000:] for o in outputs))
-    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
+                     scenario: str = "distributed.parity") -> dict[str, dict]:
+    """``run_worker`` as ``nodes`` simulated nodes on this machine."""
+    return run_worker(tmp, nproc, runs, timeout, scenario, nodes=nodes)

@@ -1,14 +1,14 @@
-"""What every multi-run test worker does around its runs: ``worker.py OUT name=spec ...`` runs each
-spec in one process group, and rank 0 saves each run's result with every rank's own figures.
+"""What every multi-run scenario does around its runs: the ``runs`` parameter ``{name: spec, ...}`` (see
+``tests.helpers.launch.run_worker``) runs each spec in one process group, and rank 0 saves each run's result
+with every rank's own figures as ``OUT/<name>.pt``.
 
-One place for it: the workers of tests/helpers (dist_worker.py), tests/compile and tests/pipeline
-repeated the gather, the save and the argument loop.
+One place for it: the parity, compile, pipeline, parallel and MoE scenarios repeated the gather, the save and
+the loop over runs.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Callable
 
 import torch
@@ -38,35 +38,33 @@ def save_atomic(obj: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
-def run_specs(run: Callable[[str, str, str], None]) -> None:
-    """Call ``run(name, spec, out)`` for each ``name=spec`` argument after ``OUT``, in order."""
-    out = sys.argv[1]
-    for item in sys.argv[2:]:
-        name, _, spec = item.partition("=")
-        run(name, spec, out)
+def run_specs(run: Callable[[str, str, str], None], ctx: Any) -> None:
+    """Call ``run(name, spec, out)`` for each ``name: spec`` of the scenario's ``runs`` parameter, in order
+    (``ctx``: the :class:`tests.helpers.harness.ScenarioContext`)."""
+    for name, spec in ctx.params["runs"].items():
+        run(name, spec, str(ctx.out))
 
 
-def parse_specs(argv: list[str]) -> list[tuple[str, str, dict[str, str]]]:
-    """``name=kind:key=value,...`` arguments -> (name, kind, options), in order."""
+def parse_specs(runs: dict[str, str]) -> list[tuple[str, str, dict[str, str]]]:
+    """``{name: "kind:key=value,..."}`` -> (name, kind, options), in order."""
     out = []
-    for arg in argv:
-        name, spec = arg.split("=", 1)
+    for name, spec in runs.items():
         kind, _, rest = spec.partition(":")
         out.append((name, kind, dict(kv.split("=", 1) for kv in rest.split(",") if kv)))
     return out
 
 
 def run_against_oracle(run_zero: Callable[[int, dict[str, str]], dict[str, Any]],
-                       run_ref: Callable[[dict[str, str]], dict[str, Any]]) -> None:
-    """``worker.py OUT name=zeroS:opts ... name=ref:opts``: every ``zeroS`` spec runs on all ranks (seeded
+                       run_ref: Callable[[dict[str, str]], dict[str, Any]], ctx: Any) -> None:
+    """Runs ``{name: "zeroS:opts", ..., name: "ref:opts"}``: every ``zeroS`` spec runs on all ranks (seeded
     alike), every ``ref`` spec once on rank 0 (the one-process oracle); rank 0 saves each result as
     ``OUT/<name>.pt``."""
     import lightning.pytorch as pl
 
-    out = sys.argv[1]
+    out = str(ctx.out)
     results: dict[str, Any] = {}
     refs = []
-    for name, kind, opts in parse_specs(sys.argv[2:]):
+    for name, kind, opts in parse_specs(ctx.params["runs"]):
         if kind == "ref":
             refs.append((name, opts))
             continue

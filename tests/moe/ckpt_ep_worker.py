@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: sharded checkpoints of expert-parallel runs, resumed at other EP sizes.
+"""Scenario ``moe.ckpt_ep`` (tests/helpers/harness.py): sharded checkpoints of expert-parallel runs, resumed at other EP sizes.
 
-Usage: torchrun --nproc-per-node N tests/moe/ckpt_ep_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+Runs ``{NAME: SPEC}`` (``run_worker``), SPEC
 
 * ``save:stage=K,ep=E``: the MoE GPT of zero_ep_worker.py (E=4 experts, top-2, no dropping) under
   ZeroStrategy(stage=K, expert_parallel=E), 2 epochs of 2 fixed global batches (4 steps),
@@ -23,12 +23,10 @@ under the LightingModule's names (``model.*``). Rank 0 writes ``OUT/NAME.pt`` (t
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -41,6 +39,7 @@ from lightning_zero.checkpoint import load_consolidated  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe.parallel import globalize_expert_state  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_atomic, save_result  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.moe.zero_ep_worker import BATCH, CLIP, LR, MoEModule, config, loss_of, shard, tokens  # noqa: E402
 
 TOP_K, BATCHES_PER_EPOCH, EPOCHS = 2, 2, 2
@@ -168,5 +167,7 @@ def run_oracle(path: str, world: int) -> dict:
             "single_process_names": [f"model.{k}" for k in GPT(config(TOP_K)).state_dict()]}
 
 
-if __name__ == "__main__":
-    run_specs(run)
+
+@scenario("moe.ckpt_ep")
+def runs(ctx: ScenarioContext) -> None:
+    run_specs(run, ctx)

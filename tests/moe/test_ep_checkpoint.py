@@ -29,7 +29,7 @@ from lightning_zero.checkpoint import load_consolidated
 from lightning_zero.checkpoint.__main__ import main as checkpoint_cli
 from tests.helpers.launch import run_worker
 
-WORKER = "tests/moe/ckpt_ep_worker.py"
+SCENARIO = "moe.ckpt_ep"
 STEP2 = "epoch=0-step=2.ckpt"
 LOSS_TOL = 1e-6
 RESUMES = {"r2": "s2", "r3": "s3", "up": "d1", "q0": "q2"}  # resumed run -> its writer
@@ -45,7 +45,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def runs(out: Path) -> dict[str, dict]:
     res = run_worker(out, 4, {"q2": "save:stage=2,ep=2", "q0": f"resume:stage=0,ep=2,ckpt=q2/{STEP2}"},
-                     timeout=600, script=WORKER)
+                     timeout=600, scenario=SCENARIO)
     res |= run_worker(out, 2, {
         "s2": "save:stage=2,ep=2",
         "s3": "save:stage=3,ep=2",
@@ -55,7 +55,7 @@ def runs(out: Path) -> dict[str, dict]:
         "up": f"resume:stage=2,ep=2,ckpt=d1/{STEP2}",
         "fab": f"fabric:stage=3,ep=2,ckpt=s2/{STEP2}",
         "one": f"oracle:ckpt=s2/{STEP2}",
-    }, timeout=600, script=WORKER)
+    }, timeout=600, scenario=SCENARIO)
     return res
 
 

@@ -14,7 +14,7 @@ from tests.helpers.launch import run_worker
 from tests.helpers.compare import max_rel as _rel, tensor_rel
 
 TOL = 1e-4
-WORKER = "tests/moe/zero_ep_worker.py"
+SCENARIO = "moe.zero_ep"
 TWO = {"zero1_top2": ("zero1:ep=2,top_k=2", "ref2"), "zero2_top1": ("zero2:ep=2,top_k=1", "ref1"),
        "zero2_top2": ("zero2:ep=2,top_k=2", "ref2"), "zero3_top1": ("zero3:ep=2,top_k=1", "ref1"),
        "zero3_top2": ("zero3:ep=2,top_k=2", "ref2")}
@@ -39,14 +39,14 @@ def _check_parity(got: dict, ref: dict) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {name: spec for name, (spec, _) in TWO.items()}
     runs.update({"ref1": "ref:top_k=1", "ref2": "ref:top_k=2"})
-    return run_worker(tmp_path_factory.mktemp("moe_zero2"), 2, runs, timeout=900, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("moe_zero2"), 2, runs, timeout=900, scenario=SCENARIO)
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     runs = {name: spec for name, (spec, _) in FOUR.items()}
     runs.update({"ref1": "ref:top_k=1", "ref2": "ref:top_k=2"})
-    return run_worker(tmp_path_factory.mktemp("moe_zero4"), 4, runs, timeout=900, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("moe_zero4"), 4, runs, timeout=900, scenario=SCENARIO)
 
 
 @pytest.mark.parametrize("name", list(FOUR))

@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: the MoE GPT under ZeroStrategy(expert_parallel=EP) against one process.
+"""Scenario ``moe.zero_ep`` (tests/helpers/harness.py): the MoE GPT under ZeroStrategy(expert_parallel=EP) against one process.
 
-Usage: torchrun --nproc-per-node N tests/moe/zero_ep_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+Runs ``{NAME: SPEC}`` (``run_worker``), SPEC
 ``zeroK:ep=E,top_k=T`` (a Trainer fit under ZeroStrategy(stage=K, expert_parallel=E) on the N ranks) or
 ``ref:top_k=T`` (rank 0 only: the oracle, a plain torch loop in one process). Rank 0 writes
 ``OUT/NAME.pt``: per-step global losses and gradient norms, the final weights in the global naming
@@ -17,12 +17,10 @@ per token.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -34,6 +32,7 @@ from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import aux_loss  # noqa: E402
 from lightning_zero.moe.parallel import globalize_expert_state, localize_expert_state, moe_layers  # noqa: E402
 from tests.helpers.worker_io import run_against_oracle  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP, E = 4, 8, 16, 48, 1e-2, 0.5, 4
@@ -156,9 +155,6 @@ def run_ref(opts: dict[str, str], world: int) -> dict:
     return {"losses": losses, "norms": norms, "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def main() -> None:
-    run_against_oracle(run_zero, lambda opts: run_ref(opts, int(os.environ["WORLD_SIZE"])))
-
-
-if __name__ == "__main__":
-    main()
+@scenario("moe.zero_ep")
+def runs(ctx: ScenarioContext) -> None:
+    run_against_oracle(run_zero, lambda opts: run_ref(opts, int(os.environ["WORLD_SIZE"])), ctx)

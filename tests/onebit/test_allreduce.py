@@ -1,6 +1,6 @@
 """The 1-bit all-reduce across real gloo processes: bit-exact against the oracle, and its bytes.
 
-One torchrun per world size (start-up dominates on a 2-core machine); see allreduce_worker.py.
+One launch per world size (start-up dominates on a 2-core machine); see allreduce_runs.py.
 """
 
 from __future__ import annotations
@@ -10,13 +10,15 @@ from pathlib import Path
 import pytest
 
 from lightning_zero.comm import collectives as C
-from tests.onebit.launch import torchrun
+from tests.helpers.harness import run_scenario
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"{n}ranks")
 def result(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     world = request.param
-    return torchrun("allreduce_worker.py", world, tmp_path_factory.mktemp(f"allreduce{world}"), timeout=600)
+    run = run_scenario("onebit.allreduce", nprocs=world, timeout=600, out=tmp_path_factory.mktemp(f"allreduce{world}"),
+                       env={"CUDA_VISIBLE_DEVICES": ""})
+    return run.check().rank0("result")
 
 
 def test_bit_exact_against_the_simulation(result: dict) -> None:

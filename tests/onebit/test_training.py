@@ -1,6 +1,6 @@
 """OneBitAdam / OneBitLamb through ZeroStrategy(stage=0) on 2 gloo ranks: convergence, bytes, resume.
 
-One torchrun runs every scenario of train_worker.py (the example GPT, 2 layers x 64 wide, on the
+One launch of scenario ``onebit.train`` runs every case of train_runs.py (the example GPT, 2 layers x 64 wide, on the
 byte-level pydoc corpus); the tests only read its results.
 """
 
@@ -9,12 +9,14 @@ from __future__ import annotations
 import pytest
 
 from lightning_zero.comm import collectives as C
-from tests.onebit.launch import torchrun
+from tests.helpers.harness import run_scenario
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return torchrun("train_worker.py", 2, tmp_path_factory.mktemp("onebit_train"), "converge", "resume", timeout=900)
+    run = run_scenario("onebit.train", nprocs=2, params={"cases": ["converge", "resume"]}, timeout=900,
+                       out=tmp_path_factory.mktemp("onebit_train"), env={"CUDA_VISIBLE_DEVICES": ""})
+    return run.check().rank0("result")
 
 
 def _final(run: dict) -> float:

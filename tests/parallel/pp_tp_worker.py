@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
+"""Scenario ``parallel.pp_tp`` (tests/helpers/harness.py): pipeline x tensor parallel x ZeRO-1 (tests/parallel/pp_tp_model.py).
 
-Usage: torchrun --nproc-per-node N tests/parallel/pp_tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+Runs ``{NAME: SPEC}`` (``run_worker``), SPEC
 ``key=value`` pairs joined by ``,``: pp, tp, stage (ZeRO), micro, schedule, virtual (virtual_stages of
 schedule=interleaved; the model is then cut in pp_tp_model.INTERLEAVED_PARTITION), precision, steps, clip, fmt
 (checkpoint_format), save=ID (train save_at=3 steps, save ``OUT/ID.ckpt``; rank 0 consolidates a sharded
@@ -12,12 +12,10 @@ names merged) and every rank's coordinates and model chunk count.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -27,6 +25,7 @@ import lightning_zero  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.checkpoint import load_consolidated  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.parallel.pp_tp_model import INTERLEAVED_PARTITION, PPTPNet  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
@@ -85,5 +84,7 @@ def run(name: str, spec: str, out: str) -> None:
     save_result(result, mine, out, name)
 
 
-if __name__ == "__main__":
-    run_specs(run)
+
+@scenario("parallel.pp_tp")
+def runs(ctx: ScenarioContext) -> None:
+    run_specs(run, ctx)

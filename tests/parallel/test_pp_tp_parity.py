@@ -29,7 +29,7 @@ from tests.pipeline.pipe_model import GradNormProbe
 from tests.helpers.compare import max_rel as _rel
 
 TOL = 1e-4
-WORKER = "tests/parallel/pp_tp_worker.py"
+SCENARIO = "parallel.pp_tp"
 
 
 def _single_process(steps: int, ckpt: Optional[Path] = None, save: Optional[Path] = None) -> dict:
@@ -73,7 +73,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             "save_sharded": "pp=2,tp=2,save=sharded", "save_full": "pp=2,tp=2,save=full,fmt=full",
             "resume_same": "pp=2,tp=2,resume=sharded", "resume_pp1_tp2_dp2": "pp=1,tp=2,resume=sharded",
             "resume_full_pp2_tp1_dp2": "pp=2,tp=1,resume=full"}
-    return run_worker(tmp_path_factory.mktemp("pptp"), 4, runs, timeout=900, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("pptp"), 4, runs, timeout=900, scenario=SCENARIO)
 
 
 @pytest.mark.parametrize("name", ["pp2_tp2", "pp2_tp2_gpipe_zero0", "pp2_tp2_interleaved"])

@@ -29,7 +29,7 @@ from lightning_zero.checkpoint import consolidate, load_consolidated
 from lightning_zero.checkpoint.__main__ import main as checkpoint_cli
 from tests.helpers.launch import run_worker
 
-WORKER = "tests/parallel/tp_ckpt_worker.py"
+SCENARIO = "parallel.tp_ckpt"
 STEP3 = "epoch=0-step=3.ckpt"
 LOSS_TOL = 1e-6
 RESUMES = {  # resumed run -> its writer
@@ -46,7 +46,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runs(out: Path) -> dict[str, dict]:
     """Every launch, in order (each reads what the previous wrote)."""
     res = run_worker(out, 4, {"s1": "save:stage=1,tp=2,async=1", "s2": "save:stage=2,tp=2", "s3": "save:stage=3,tp=2"},
-                     timeout=600, script=WORKER)
+                     timeout=600, scenario=SCENARIO)
     consolidate(out / "s2" / STEP3, out / "s2_full.ckpt", progress=False)
     res |= run_worker(out, 2, {
         "r1": f"resume:stage=1,tp=1,ckpt=s1/{STEP3}",
@@ -55,12 +55,12 @@ def runs(out: Path) -> dict[str, dict]:
         "r3to1": f"resume:stage=1,tp=1,ckpt=s3/{STEP3}",
         "full": "resume:stage=2,tp=2,fmt=full,ckpt=s2_full.ckpt",
         "fab": f"fabric:stage=1,tp=2,ckpt=s2/{STEP3}",
-    }, timeout=600, script=WORKER)
+    }, timeout=600, scenario=SCENARIO)
     res |= run_worker(out, 1, {
         "one2": f"resume:stage=2,tp=1,ckpt=s2/{STEP3}",
         "one3": f"resume:stage=2,tp=1,ckpt=s3/{STEP3}",
         "mismatch": f"mismatch:stage=2,tp=1,ckpt=s2/{STEP3}",
-    }, timeout=600, script=WORKER)
+    }, timeout=600, scenario=SCENARIO)
     return res
 
 

@@ -23,7 +23,7 @@ from tests.helpers.compare import max_rel as _rel, tensor_rel
 from tests.helpers.launch import run_worker
 
 TOL = 1e-4
-WORKER = "tests/parallel/tp_worker.py"
+SCENARIO = "parallel.tp"
 
 
 def _check_parity(got: dict, ref: dict) -> None:
@@ -53,7 +53,7 @@ def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             "zero3_offload_opt": f"zero3:{llama},build=init,offload_optimizer=cpu",
             "zero3_offload": f"zero3:{llama},build=load,offload_optimizer=cpu,offload_params=cpu",
             "ref": "ref:model=llama"}
-    return run_worker(tmp_path_factory.mktemp("tp4"), 4, runs, timeout=1800, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("tp4"), 4, runs, timeout=1800, scenario=SCENARIO)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             "zero3_nvme": "zero3:tp=2,model=llama,offload_optimizer=nvme,offload_params=nvme",
             "zero2_bf16": "zero2:tp=2,model=llama,precision=bf16-mixed",
             "ref": "ref:model=llama", "ref_gpt": "ref:model=gpt"}
-    return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("tp2"), 2, runs, timeout=1200, scenario=SCENARIO)
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3", "zero3_init", "zero2_load", "zero3_load"])

@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: sharded checkpoints of tensor-parallel x ZeRO runs, resumed on other layouts.
+"""Scenario ``parallel.tp_ckpt`` (tests/helpers/harness.py): sharded checkpoints of tensor-parallel x ZeRO runs, resumed on other layouts.
 
-Usage: torchrun --nproc-per-node N tests/parallel/tp_ckpt_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+Runs ``{NAME: SPEC}`` (``run_worker``), SPEC
 
 * ``save:stage=K,tp=T[,async=1]``: the Llama model of tp_worker.py under ZeroStrategy(stage=K, tensor_parallel=T),
   2 epochs of 3 fixed global batches (6 steps), ModelCheckpoint at each epoch's end into ``OUT/NAME``
@@ -22,12 +22,10 @@ Weights are recorded full, by the LightningModule's state-dict names. Rank 0 wri
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -38,6 +36,7 @@ import lightning_zero  # noqa: E402
 from tests.helpers.fit_epochs import fit_epochs  # noqa: E402
 from lightning_zero.parallel import tp_plan_llama  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_atomic, save_result  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.parallel.tp_worker import BATCH, CLIP, LR, MetaBuiltTPModule, build, full_weights, loss_of, tokens  # noqa: E402
 
 BATCHES_PER_EPOCH, EPOCHS = 3, 2
@@ -166,5 +165,7 @@ def run_fabric(name: str, opts: dict[str, str], out: str) -> None:
     save_result({"weights": weights}, {"tp": fabric.strategy.dims.tp}, out, name)
 
 
-if __name__ == "__main__":
-    run_specs(run)
+
+@scenario("parallel.tp_ckpt")
+def runs(ctx: ScenarioContext) -> None:
+    run_specs(run, ctx)

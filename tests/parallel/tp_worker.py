@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: tensor parallel x ZeRO against a plain single-process torch loop.
+"""Scenario ``parallel.tp`` (tests/helpers/harness.py): tensor parallel x ZeRO against a plain single-process torch loop.
 
-Usage: torchrun --nproc-per-node N tests/parallel/tp_worker.py OUT NAME=SPEC [NAME=SPEC ...], SPEC
+Runs ``{NAME: SPEC}`` (``run_worker``), SPEC
 ``zeroK:tp=T,model=llama|gpt[,build=configure|init|load,offload_optimizer=cpu|nvme,offload_params=cpu|nvme,
 offload_ratio=R,precision=P]`` (a Trainer fit under ZeroStrategy(stage=K, tensor_parallel=T, offload options), the
 LightningModule applying the model's ready plan to ``self.device_mesh["tp"]`` in configure_model; ``build``: where
@@ -16,13 +16,11 @@ import atexit
 import contextlib
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -36,6 +34,7 @@ from lightning_zero.parallel import tp_plan_gpt, tp_plan_llama  # noqa: E402
 from lightning_zero.parallel.dtensor import local_block, local_tensor  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.helpers.worker_io import run_against_oracle  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 6, 8, 16, 48, 1e-2, 0.05
@@ -155,10 +154,10 @@ def make_module(kind: str, how: str, out: str) -> TPModule:
     return TPModule(kind, model)
 
 
-def run_zero(stage: int, opts: dict[str, str]) -> dict:
+def run_zero(stage: int, opts: dict[str, str], out: str) -> dict:
     kind = opts.get("model", "llama")
     tp = int(opts.get("tp", "2"))
-    module = make_module(kind, opts.get("build", "configure"), sys.argv[1])
+    module = make_module(kind, opts.get("build", "configure"), out)
     extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}  # a tiny model: gather/release every unit
     for key in ("offload_optimizer", "offload_params"):  # ZeRO-Offload / ZeRO-Infinity on the local TP shards
         if key in opts:
@@ -222,9 +221,7 @@ def run_ref(opts: dict[str, str]) -> dict:
     return {"losses": losses, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def main() -> None:
-    run_against_oracle(run_zero, run_ref)  # the oracle: one process, no strategy
-
-
-if __name__ == "__main__":
-    main()
+@scenario("parallel.tp")
+def runs(ctx: ScenarioContext) -> None:
+    # the oracle: one process, no strategy
+    run_against_oracle(lambda stage, opts: run_zero(stage, opts, str(ctx.out)), run_ref, ctx)

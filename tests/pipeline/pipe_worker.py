@@ -1,6 +1,6 @@
-"""Worker run under ``torchrun``: trains PipeNet under pipelined ZeroStrategy configurations.
+"""Scenario ``pipeline.pipe`` (tests/helpers/harness.py): trains PipeNet under pipelined ZeroStrategy configurations.
 
-Usage: torchrun --nproc-per-node N tests/pipeline/pipe_worker.py OUT NAME=SPEC [NAME=SPEC ...]
+Runs ``{NAME: SPEC}`` (``run_worker``);
 SPEC is ``key=value`` pairs joined by ``,``: stages, micro, schedule, virtual, stage (ZeRO stage),
 blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after fit), fmt (checkpoint_format), resume (checkpoint
 at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``; with
@@ -12,12 +12,10 @@ Rank 0 writes ``OUT/NAME.pt``.
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -27,6 +25,7 @@ from torch import nn  # noqa: E402
 import lightning_zero  # noqa: E402
 from lightning_zero.pipeline import LayerSpec, PipelineModule  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens, token_loss  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
 
@@ -114,5 +113,7 @@ def run(name: str, spec: str, out: str) -> None:
     save_result(result, {k: result.get(k) for k in keys}, out, name)
 
 
-if __name__ == "__main__":
-    run_specs(run)
+
+@scenario("pipeline.pipe")
+def runs(ctx: ScenarioContext) -> None:
+    run_specs(run, ctx)

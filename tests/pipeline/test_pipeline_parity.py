@@ -9,16 +9,13 @@ once), AdamW with two param groups and an LR scheduler, 20 steps.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, free_port, skip_without_gpus, worker_env
+from tests.helpers.launch import run_worker
 from tests.pipeline.pipe_model import GradNormProbe, PipeNet, RandomTokens
 from tests.helpers.compare import max_rel as _rel
 
@@ -26,16 +23,7 @@ TOL = 1e-4
 
 
 def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:
-    skip_without_gpus(nproc)
-    env = worker_env()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-        str(ROOT / "tests/pipeline/pipe_worker.py"), str(tmp),
-    ] + [f"{k}={v}" for k, v in runs.items()]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"worker failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return {k: torch.load(tmp / f"{k}.pt", weights_only=False) for k in runs}
+    return run_worker(tmp, nproc, runs, timeout=900, scenario="pipeline.pipe")
 
 
 def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1) -> dict:

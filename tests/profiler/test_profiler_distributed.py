@@ -17,7 +17,7 @@ from gpt import GPTModule  # noqa: E402
 
 from lightning_zero.profiler import ModuleProfiler  # noqa: E402
 from tests.profiler.dist_runs import dist_results  # noqa: E402
-from tests.profiler.dist_worker import TINY  # noqa: E402
+from tests.profiler.dist_checks import TINY  # noqa: E402
 
 
 def test_zero3_parameter_counts_equal_the_unpartitioned_model() -> None:

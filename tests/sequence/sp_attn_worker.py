@@ -1,7 +1,5 @@
-"""Worker run under ``torchrun``: ring and Ulysses attention over the ranks against one-process attention.
-
-Usage: torchrun --nproc-per-node N tests/sequence/sp_attn_worker.py OUT NAME=SPEC [NAME=SPEC ...]
-SPEC is ``key=value`` pairs joined by ``,``: impl (ring|ulysses), layout (zigzag|contiguous), causal (0|1),
+"""Runs of scenario ``sequence.runs`` (tests/sequence/sp_model_worker.py): ring and Ulysses attention over the
+ranks against one-process attention. SPEC is ``key=value`` pairs joined by ``,``: impl (ring|ulysses), layout (zigzag|contiguous), causal (0|1),
 doc (1: a packed batch of documents of different lengths), heads, kv_heads, seq, dtype (float32|bfloat16).
 Every rank builds the same full ``q, k, v`` and output gradient, runs the reference on the whole sequence,
 runs the parallel attention on its own tokens and records the relative error of its output and of its
@@ -10,17 +8,12 @@ runs the parallel attention on its own tokens and records the relative error of 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
 from lightning_zero.sequence import SequenceLayout, attention_reference, ring_attention, ulysses_attention  # noqa: E402
 from tests.helpers.compare import tensor_rel  # noqa: E402
-from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.helpers.worker_io import save_result  # noqa: E402
 
 
 def packed_docs(batch: int, seq: int) -> torch.Tensor:
@@ -63,8 +56,3 @@ def run(name: str, spec: str, out: str) -> None:
         errors[f"d{key}"] = tensor_rel(mine.grad.float(), layout.shard(whole.grad, r, dim=2))
     save_result({"spec": spec}, {"errors": errors, "dtype": str(got.dtype), "local_len": got.shape[2]}, out, name)
 
-
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    run_specs(run)
-    dist.destroy_process_group()

@@ -1,8 +1,6 @@
-"""Worker run under ``torchrun``: HF causal LMs built from configs, unmodified, trained one step under
-sequence parallelism (lightning_zero.sequence) against the same model on the whole sequence in one process.
-
-Usage: torchrun --nproc-per-node N tests/sequence/sp_model_worker.py OUT NAME=SPEC [NAME=SPEC ...]
-SPEC: ``impl=...`` runs sp_attn_worker.py's attention check in the same process group; otherwise model (llama|qwen2|mistral), scheme (auto|ulysses|ring), layout (zigzag|contiguous), packed (1: rows
+"""Scenario ``sequence.runs`` (tests/helpers/harness.py): HF causal LMs built from configs, unmodified, one
+step under sequence parallelism (lightning_zero.sequence) against the same model on the whole sequence in one
+process. Runs ``{NAME: SPEC}`` (``run_worker``), SPEC: ``impl=...`` runs sp_attn_worker.py's attention check in the same process group; otherwise model (llama|qwen2|mistral), scheme (auto|ulysses|ring), layout (zigzag|contiguous), packed (1: rows
 hold several documents, position ids restart per document), window (mistral's sliding window).
 Each rank records the relative error of its logits, of the loss (mean over the group) and of every
 parameter gradient (averaged over the group, as data-parallel averaging does), or the error message of a
@@ -11,13 +9,8 @@ refused model. Rank 0 writes ``OUT/NAME.pt``.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_zero.sequence import SequenceLayout  # noqa: E402
 from lightning_zero.sequence.batch import shard_batch, sequence_loss  # noqa: E402
@@ -25,6 +18,7 @@ from lightning_zero.sequence.context import SequenceContext  # noqa: E402
 from lightning_zero.sequence.hf import prepare_hf  # noqa: E402
 from tests.helpers.compare import tensor_rel  # noqa: E402
 from tests.sequence.sp_attn_worker import run as run_attention  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
 
 SEQ, BATCH, VOCAB = 32, 2, 64
@@ -118,7 +112,11 @@ def run(name: str, spec: str, out: str) -> None:
                                  "attn": model.config._attn_implementation}, out, name)
 
 
-if __name__ == "__main__":
+
+@scenario("sequence.runs")
+def runs(ctx: ScenarioContext) -> None:
     dist.init_process_group("gloo")
-    run_specs(run)
-    dist.destroy_process_group()
+    try:
+        run_specs(run, ctx)
+    finally:
+        dist.destroy_process_group()

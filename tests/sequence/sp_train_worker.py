@@ -1,8 +1,6 @@
-"""Worker run under ``torchrun``: an HF Llama built from a config, trained under ``ZeroStrategy(sequence_parallel=N)``
-by the Trainer, against the same training in one process on the whole sequences (the oracle).
-
-Usage: torchrun --nproc-per-node W tests/sequence/sp_train_worker.py OUT NAME=zeroS:sp=N,... NAME=ref:dp=D
-Options of a zero run: sp, attn (auto|ulysses|ring), layout, offload (1: stage 3 with CPU optimizer and
+"""Scenario ``sequence.train`` (tests/helpers/harness.py): an HF Llama built from a config, trained under
+``ZeroStrategy(sequence_parallel=N)`` by the Trainer, against the same training in one process on the whole
+sequences (the oracle). Runs ``{NAME: "zeroS:sp=N,...", NAME: "ref:dp=D"}`` (``run_worker``). Options of a zero run: sp, attn (auto|ulysses|ring), layout, offload (1: stage 3 with CPU optimizer and
 parameter offload), packed (1), tiled (MLP tiles). ``ref:dp=D``: one process, D data-parallel replicas'
 batches per step (ddp's loss: the mean of the replicas' token means). Rank 0 writes ``OUT/NAME.pt``:
 per-step losses (mean over ranks), gradient norms and the weights after the last step.
@@ -12,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -26,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E4
 import lightning_zero  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.worker_io import run_against_oracle  # noqa: E402
 
 STEPS, BATCH, SEQ, VOCAB, LR, CLIP, SAMPLES = 4, 2, 32, 64, 1e-2, 0.5, 16
@@ -151,5 +148,7 @@ def unpacked_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tor
     return total / count
 
 
-if __name__ == "__main__":
-    run_against_oracle(run_zero, run_ref)
+
+@scenario("sequence.train")
+def runs(ctx: ScenarioContext) -> None:
+    run_against_oracle(run_zero, run_ref, ctx)

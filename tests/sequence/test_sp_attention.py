@@ -17,7 +17,6 @@ from tests.helpers.launch import run_worker
 from tests.sequence.sp_attn_worker import packed_docs
 
 TOL = 1e-5
-WORKER = "tests/sequence/sp_model_worker.py"
 
 
 def _qkv(heads: int = 4, kv_heads: int = 4, seq: int = 24) -> list[torch.Tensor]:
@@ -117,7 +116,7 @@ MODELS = {
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, {**RUNS, **MODELS}, timeout=900,
-                      script=WORKER)
+                      scenario="sequence.runs")
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if not n.endswith("bf16")])

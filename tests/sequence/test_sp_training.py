@@ -14,7 +14,6 @@ from tests.helpers.compare import max_rel, tensor_rel
 from tests.helpers.launch import run_worker
 
 TOL = 1e-4
-WORKER = "tests/sequence/sp_train_worker.py"
 
 TWO = {
     "zero1": "zero1:sp=2", "zero2_ring_contiguous": "zero2:sp=2,attn=ring,layout=contiguous",
@@ -31,12 +30,12 @@ FOUR = {
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_worker(tmp_path_factory.mktemp("sp_train2"), 2, TWO, timeout=1200, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("sp_train2"), 2, TWO, timeout=1200, scenario="sequence.train")
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_worker(tmp_path_factory.mktemp("sp_train4"), 4, FOUR, timeout=1200, script=WORKER)
+    return run_worker(tmp_path_factory.mktemp("sp_train4"), 4, FOUR, timeout=1200, scenario="sequence.train")
 
 
 def _check(got: dict, ref: dict) -> None:

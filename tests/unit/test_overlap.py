@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from overlap import comm_overlap, is_comm_kernel, merge, overlap_length  # noqa: E402
+from benchmarks.overlap import comm_overlap, is_comm_kernel, merge, overlap_length
 
 AG = "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 RS = "ncclKernel_ReduceScatter_RING_LL_Sum_bfloat16(ncclWorkElem)"

@@ -5,7 +5,7 @@ Each module is written the way its source project writes it (nanoGPT's ``model.p
 wrapper, Lightning's own GAN recipe), because how a model calls its blocks, ties its weights and
 keeps its buffers is exactly what a ZeRO engine can get wrong.
 
-Shared contract (read by ``tests/zoo/zoo_worker.py``):
+Shared contract (read by ``tests/zoo/scenarios.py``):
 
 * ``losses``: the loss of every training step on this rank (the GAN records ``g_losses`` and
   ``d_losses`` instead); ``val_losses``: every validation batch's loss on this rank (ResNet only);

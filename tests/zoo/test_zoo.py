@@ -18,13 +18,14 @@ One ``torchrun`` per model trains ddp and every stage in one process group (star
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
 
-from tests.zoo.launch import ZooRuns, run_zoo
+from tests.helpers.harness import ScenarioRun, run_scenario
 from tests.zoo.models import STEPS
 from tests.helpers.compare import max_rel as _rel, tensor_rel
 
@@ -51,6 +52,27 @@ TOL = 1e-4
 
 
 # ------------------------------------------------------------------ helpers
+ZOO_ENV = {"CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "error"}
+
+
+@dataclass
+class ZooRuns:
+    """One model's launch of scenario ``zoo.train`` (tests/zoo/scenarios.py): rank 0 records each spec as
+    soon as it is over, so one broken configuration does not hide the results of the others."""
+
+    model: str
+    launch: ScenarioRun
+
+    def get(self, spec: str) -> dict[str, Any]:
+        """The run ``spec``; fails the calling test with the worker's output when it has none."""
+        got = self.launch.ranks(spec)[0]
+        if got is None:
+            raise AssertionError(f"{self.model}/{spec}: no result (worker {self.launch.how()}). "
+                                 f"Worker output:\n{self.launch.log[-6000:]}")
+        return got
+
+
 def _tensor_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
@@ -84,7 +106,9 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ZooRuns]:
     def get(model: str) -> ZooRuns:
         if model not in cache:
             specs = ["ddp"] + (["ddp_again"] if model in DETERMINISM else []) + STAGES[model]
-            cache[model] = run_zoo(Path(tmp_path_factory.mktemp(f"zoo_{model}")), model, specs)
+            launch = run_scenario("zoo.train", nprocs=2, params={"model": model, "specs": specs}, timeout=420,
+                                  out=Path(tmp_path_factory.mktemp(f"zoo_{model}")), env=ZOO_ENV)
+            cache[model] = ZooRuns(model, launch)
         return cache[model]
 
     return get

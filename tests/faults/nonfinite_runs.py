@@ -1,9 +1,7 @@
-"""Worker run under ``torchrun`` (CPU, gloo, 2 ranks) for tests/faults/test_nonfinite.py: non-finite
-steps (issue #27 item 3) and failed checkpoint saves (item 4), several scenarios in one process group.
+"""Scenario ``faults.nonfinite`` (tests/faults/scenarios.py; CPU, gloo, 2 ranks) for tests/faults/test_nonfinite.py:
+non-finite steps (issue #27 item 3) and failed checkpoint saves (item 4), several cases in one process group.
 
-Usage: python -m torch.distributed.run --nproc-per-node 2 tests/faults/nonfinite_worker.py OUT PLAN.json
-
-PLAN.json is a list of scenarios run in order, each one ``Trainer.fit`` of tests/checkpoint/models.py's
+Params: ``{"plan": [case, ...]}``, cases run in order, each one ``Trainer.fit`` of tests/checkpoint/models.py's
 CkptNet (two param groups, AdamW with weight decay, an LR schedule, a frozen layer, tied weights) under
 ``strategy`` (``zero1``, ``zero2``, ``zero3``, ``zero3_offload``) and ``precision``, with keys:
 
@@ -25,7 +23,6 @@ lightning_zero, the exception (type and message), the checkpoint directory's lis
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import sys
@@ -36,7 +33,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -211,10 +207,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    out, plan_path = sys.argv[1], sys.argv[2]
-    with open(plan_path) as f:
-        plan = json.load(f)
+def run_plan(out: str, plan: list[dict[str, Any]]) -> None:
     for spec in plan:
         result = run(spec)
         if not dist.is_initialized():
@@ -223,6 +216,3 @@ def main() -> None:
         print(f"[nonfinite rank {rank()}] {spec['name']}: {result['exc_type'] or 'ok'}", file=sys.stderr, flush=True)
         dist.monitored_barrier(timeout=timedelta(seconds=2 * TIMEOUT_S), wait_all_ranks=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,20 +1,17 @@
-"""torchrun worker: a model built in ``configure_model`` under zero3 is never whole on any rank.
+"""Scenario ``distributed.sharded_init`` (registered in scenarios.py): a model built in ``configure_model``
+under zero3 is never whole on any rank.
 
 Measures this process's peak resident memory across ``configure_model`` + ``strategy.setup`` (from
-``/proc/self/status``) and writes it beside the model's full fp32 size. Usage:
-torchrun --nproc-per-node 2 tests/helpers/sharded_init_worker.py OUT
+``/proc/self/status``) and returns it beside the model's full fp32 size (each rank's ``result`` record).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import warnings
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -73,8 +70,7 @@ class BigNet(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, WIDTH)), batch_size=2)
 
 
-def main() -> None:
-    out = sys.argv[1]
+def run() -> dict:
     pl.seed_everything(0)
     model = BigNet()
     trainer = pl.Trainer(
@@ -91,9 +87,4 @@ def main() -> None:
         "shapes_true": all(p.shape == (WIDTH, WIDTH) for n, p in model.named_parameters() if n.endswith("weight")),
         "resident_param_bytes": sum(p.untyped_storage().nbytes() for p in model.parameters()),
     }
-    with open(os.path.join(out, f"sharded_init_{trainer.global_rank}.json"), "w") as f:
-        json.dump(record, f)
-
-
-if __name__ == "__main__":
-    main()
+    return record

@@ -1,12 +1,10 @@
-"""Worker run under ``torchrun --nproc-per-node 2`` for issue #19's distributed checks, one process
-group for all of them (CI time). Every rank writes ``OUT/<run>_rank<r>.pt``:
+"""Scenario ``profiler.dist`` (tests/profiler/scenarios.py; 2 ranks) for issue #19's distributed checks, one
+process group for all of them (CI time). Every rank records ``<run>`` (``OUT/<run>.rank<r>.pt``):
 
 * ``prof_zero3``: FlopsProfiler on the example GPT under zero3 (per-module parameter counts, totals);
 * ``prof_pipe``: FlopsProfiler under 2 pipeline stages (per-stage report files, per-stage totals);
 * ``pld_zero3`` / ``pld_ddp``: ProgressiveLayerDrop (model.pld=true) under zero3 and ddp: plans, losses;
 * ``act_zero3`` / ``noact_zero3``: zero3 with and without ``activation_offload``: losses, resident units.
-
-Usage: torchrun --nproc-per-node 2 tests/profiler/dist_worker.py OUT
 """
 
 from __future__ import annotations
@@ -14,14 +12,14 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))  # the example's gpt module (the tests import it so too)
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -33,6 +31,8 @@ from gpt import GPTModule  # noqa: E402
 from lightning_zero.activations import is_checkpointed, offloader_of  # noqa: E402
 from lightning_zero.callbacks import ProgressiveLayerDrop  # noqa: E402
 from lightning_zero.profiler import FlopsProfiler  # noqa: E402
+from tests.helpers.harness import record_path  # noqa: E402
+from tests.helpers.worker_io import save_atomic  # noqa: E402
 
 TINY = dict(vocab_size=256, n_layer=4, n_head=2, d_model=16, seq_len=8)
 
@@ -67,11 +67,10 @@ def zero3(**kw: Any) -> lightning_zero.ZeroStrategy:
 
 
 def save(out: str, name: str, rank: int, data: dict) -> None:
-    torch.save(data, os.path.join(out, f"{name}_rank{rank}.pt"))
+    save_atomic(data, str(record_path(Path(out), name, rank)))
 
 
-def main() -> None:
-    out = sys.argv[1]
+def run(out: str) -> None:
     rank = int(os.environ["RANK"])
 
     # profiler under zero3: per-module parameter counts must be the un-partitioned model's
@@ -114,6 +113,3 @@ def main() -> None:
             "resident": [u.resident for u in units], "packed": offloader.stats.packed if offloader else 0,
         })
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,9 @@
-"""Worker for the fault-injection tests (issue #14): one ``Trainer.fit`` (or a short plan of them) on 2
-CPU/gloo ranks with one injected fault, under ``torchrun`` or Lightning's own launcher.
+"""Scenario ``faults.plan`` (tests/faults/scenarios.py imports this module in the launched processes only) for the
+fault-injection tests (issue #14): one ``Trainer.fit`` (or a short plan of them) on 2 CPU/gloo ranks with one
+injected fault, under ``torchrun`` or Lightning's own launcher (tests/faults/launch.py; the harness's
+``launcher="python"``: ``Trainer(devices=2)`` then starts rank 1 itself).
 
-Usage: ``torchrun --nproc-per-node 2 tests/faults/fault_worker.py OUT SPEC.json`` or
-``python tests/faults/fault_worker.py OUT SPEC.json`` (``Trainer(devices=2)`` then starts rank 1 itself).
-
-SPEC.json is a list of fits, run in order in one process group; each is a dict:
+Params: ``{"plan": [fit, ...]}``, fits run in order in one process group; each is a dict:
 
 * ``name``; ``strategy``: ``zero2``, ``zero3``, ``zero3_offload`` (offload_optimizer/params "cpu") or
   ``zero3_offload_nvme`` (both "nvme", ``nvme_path`` = ``OUT/nvme``); ``steps`` (max_steps);
@@ -102,11 +101,11 @@ class _Tagged(io.TextIOBase):
         return "utf-8"
 
 
-if __name__ == "__main__":  # (the tests import nothing from here; the launched script tags its output)
-    sys.stdout = _Tagged(1)  # type: ignore[assignment]
-    sys.stderr = _Tagged(2)  # type: ignore[assignment]
+# Imported only by the scenario in a launched process (the tests import nothing from here): its output is
+# tagged from here on, before Lightning's imports make their log handlers (which keep the stream they see).
+sys.stdout = _Tagged(1)  # type: ignore[assignment]
+sys.stderr = _Tagged(2)  # type: ignore[assignment]
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -116,7 +115,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 import lightning_zero  # noqa: E402
 from tests.checkpoint.models import CkptNet  # noqa: E402
 from tests.faults.messages import fault_message  # noqa: E402
-from tests.helpers.dist_worker import offload_kwargs  # noqa: E402
+from tests.helpers.parity_runs import offload_kwargs  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 120.0
 """The strategy's collective timeout: a rank that waits for a dead peer until then overruns the
@@ -357,17 +356,10 @@ def run_fit(spec: dict, out: str) -> None:
             json.dump(report, f, indent=1)
 
 
-def main() -> None:
+def run_plan(out: str, plan: list[dict[str, Any]]) -> None:
     global OUT
-    out, spec_path = sys.argv[1], sys.argv[2]
     OUT = out
     Path(out, f"pid.rank{RANK}").write_text(str(os.getpid()))
     atexit.register(lambda: Path(out, f"atexit.rank{RANK}").write_text(f"{live_threads()[1]}\n"))
-    with open(spec_path) as f:
-        plan = json.load(f)
     for spec in plan:
         run_fit(spec, out)
-
-
-if __name__ == "__main__":
-    main()

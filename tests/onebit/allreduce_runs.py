@@ -1,21 +1,16 @@
-"""torchrun worker: the compressed all-reduce across real gloo processes against the one-process oracle.
-
-Usage: torchrun --nproc-per-node N tests/onebit/allreduce_worker.py OUT. Every rank draws every
+"""Scenario ``onebit.allreduce`` (tests/onebit/scenarios.py): the compressed all-reduce across real gloo
+processes against the one-process oracle. Every rank draws every
 rank's inputs from fixed seeds, runs the real exchange on its own input (several rounds, so the
 error buffers matter), runs the oracle for all ranks, and compares its result and error buffers
-bit for bit. Then it counts the bytes one exchange hands to torch.distributed. Rank 0 saves the
-findings to OUT/result.pt.
+bit for bit. Then it counts the bytes one exchange hands to torch.distributed. Every rank returns
+the findings (recorded as ``result``).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.comm.compressed import (  # noqa: E402
@@ -78,8 +73,7 @@ def count_bytes(numel: int) -> dict:
     }
 
 
-def main() -> None:
-    out = sys.argv[1]
+def run() -> dict:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     cases = []
@@ -90,11 +84,6 @@ def main() -> None:
     for numel, block in [(5, 1024), (8 * world * 3 + 5, 1024), (4099, 16), (100_003, 1024)]:
         cases.append(check_exact(numel, block, "kernel"))
     result = {"world": world, "cases": cases, "bytes": count_bytes(1 << 20)}
-    if dist.get_rank() == 0:
-        torch.save(result, os.path.join(out, "result.pt"))
     dist.barrier()
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return result

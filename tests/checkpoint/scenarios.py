@@ -1,9 +1,8 @@
-"""Worker run under ``torchrun`` (CPU, gloo) for the sharded-checkpoint tests: runs a plan of steps in one
-process group and writes, for each step and rank, ``OUT/<name>.rank<r>.pt`` as soon as that step is over.
+"""Scenario ``checkpoint.plan`` (tests/helpers/harness.py; CPU, gloo) for the sharded-checkpoint tests: runs a
+plan of steps in one process group and records, for each step and rank, ``<name>`` (``OUT/<name>.rank<r>.pt``)
+as soon as that step is over.
 
-Usage: python -m torch.distributed.run --nproc-per-node N tests/checkpoint/ckpt_worker.py OUT PLAN.json
-
-PLAN.json is a list of steps (dicts), run in order; ``task`` is one of
+Params: ``{"plan": [step, ...]}``, a list of steps (dicts), run in order; ``task`` is one of
 
 * ``fit`` (default): seed, build ``model`` (``net``: CkptNet, ``gan``: TinyGAN; tests/checkpoint/models.py)
   and fit it for ``steps`` global steps under ``strategy``: ``ddp``, ``zero0``-``zero3``,
@@ -37,7 +36,6 @@ After a failed step the ranks go on only if they all meet at a barrier (else the
 from __future__ import annotations
 
 import copy
-import json
 import os
 import signal
 import sys
@@ -50,7 +48,6 @@ from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -60,9 +57,9 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from tests.checkpoint.models import MODELS  # noqa: E402
-from tests.helpers.dist_worker import offload_kwargs  # noqa: E402
+from tests.helpers.parity_runs import offload_kwargs  # noqa: E402
 from tests.helpers.memory import NewStorageTracker  # noqa: E402
-from tests.helpers.worker_io import save_atomic  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 60
 BUCKET_MB = 0.01
@@ -358,11 +355,10 @@ def _barrier_or_exit() -> None:
         os._exit(3)
 
 
-def main() -> None:
-    out, plan_path = sys.argv[1], sys.argv[2]
-    with open(plan_path) as f:
-        plan = json.load(f)
-    for step in plan:
+@scenario("checkpoint.plan")
+def plan(ctx: ScenarioContext) -> None:
+    out = str(ctx.out)
+    for step in ctx.params["plan"]:
         started = time.perf_counter()
         task = step.get("task", "fit")
         result = run_fit(step, out) if task == "fit" else run_consolidate(step, out)
@@ -371,11 +367,8 @@ def main() -> None:
             dist.init_process_group("gloo", timeout=timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S + 60))
         result.update({"name": step["name"], "rank": rank(), "world": world(),
                        "seconds": time.perf_counter() - started})
-        save_atomic(result, os.path.join(out, f"{step['name']}.rank{rank()}.pt"))
+        ctx.record(step["name"], result)
         print(f"[ckpt rank {rank()}] {step['name']}: {'FAILED' if result['error'] else 'ok'} "
               f"({result['seconds']:.1f}s)", file=sys.stderr, flush=True)
         _barrier_or_exit()  # every rank, failed or not (a rank may fail alone, e.g. rank 0 consolidating)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,8 @@
-"""Worker run under ``torchrun``: trains ParityNet under several strategies in one process group.
+"""The parity runs (scenario ``distributed.parity``, tests/distributed/scenarios.py): ParityNet under several
+strategies in one process group.
 
 Writes ``<out>/<name>.pt`` on rank 0 with per-step losses, final full weights and per-rank memory
-counts. Usage: torchrun --nproc-per-node N tests/helpers/dist_worker.py OUT NAME=SPEC [NAME=SPEC ...]
-where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
+counts, for each ``{NAME: SPEC}`` of the ``runs`` parameter (``tests.helpers.launch.run_worker``), where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
 bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
 every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
 hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full); offload: oopt, oparams, nvme=1, chunk_mb, dpu, ratio, hsp (offload_state_precision) (see ``offload_kwargs``).
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -29,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 import lightning_zero  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.helpers.parity_model import ParityNet  # noqa: E402
-from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
+from tests.helpers.worker_io import save_result  # noqa: E402
 
 
 def parse(spec: str) -> tuple[str, dict[str, str]]:
@@ -224,6 +222,3 @@ def run(name: str, spec: str, out: str) -> None:
     keys = ("losses", "grad_bytes", "state_bytes", "rest_bytes", "max_live_units", "node")
     save_result(result, {k: result[k] for k in keys}, out, name)
 
-
-if __name__ == "__main__":
-    run_specs(run)

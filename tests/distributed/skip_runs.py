@@ -1,4 +1,4 @@
-"""Worker run under ``torchrun``: data-dependent control flow under Lightning's ddp
+"""Scenario ``distributed.skipped_units`` (registered in scenarios.py): data-dependent control flow under Lightning's ddp
 (find_unused_parameters=True) and the ZeRO stages. Writes ``OUT/<run>.pt`` on rank 0 with rank 0's
 per-step losses.
 
@@ -7,20 +7,16 @@ per-step losses.
   rank 1 only at step 2, AdamW with weight decay ``wd`` (issue #27 item 8: parameters no rank used
   are not stepped); ZeRO runs also record whether the skipped layers' masters and optimizer states
   stayed bit for bit unchanged across each odd step;
-- ``acc_<kind>``: the same model with two micro-batches per step, the block used in one of them.
-
-Usage: torchrun --nproc-per-node 2 skip_worker.py OUT."""
+- ``acc_<kind>``: the same model with two micro-batches per step, the block used in one of them."""
 
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -168,8 +164,7 @@ def odd_runs(out: str) -> None:
             torch.save({"losses": model.losses, "unchanged": model.unchanged}, os.path.join(out, f"acc_{kind}.pt"))
 
 
-def main() -> None:
-    out = sys.argv[1]
+def run(out: str) -> None:
     odd_runs(out)
     for skip in (0, 2, 3):  # the first unit, one in the middle, the last one
         for kind in ("ddp", "zero3"):
@@ -185,6 +180,3 @@ def main() -> None:
             if trainer.global_rank == 0:
                 torch.save({"losses": model.losses}, os.path.join(out, f"skip{skip}_{kind}.pt"))
 
-
-if __name__ == "__main__":
-    main()

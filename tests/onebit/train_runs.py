@@ -1,6 +1,5 @@
-"""torchrun worker: the example GPT on the pydoc corpus with OneBitAdam/OneBitLamb under ``zero0``.
-
-Usage: torchrun --nproc-per-node N tests/onebit/train_worker.py OUT [SCENARIO ...]; scenarios:
+"""Scenario ``onebit.train`` (tests/onebit/scenarios.py): the example GPT on the pydoc corpus with
+OneBitAdam/OneBitLamb under ``zero0``. Params ``{"cases": [CASE, ...]}``; cases:
 
 * ``converge``: Adam(W) (zero0), OneBitAdam (zero0), LAMB (FusedLamb under Lightning's ddp) and
   OneBitLamb (zero0), ``STEPS`` steps each with 15% warm-up, same seed and data; per-step losses
@@ -9,7 +8,7 @@ Usage: torchrun --nproc-per-node N tests/onebit/train_worker.py OUT [SCENARIO ..
 * ``resume``: OneBitAdam and OneBitLamb for 3 short epochs (compression from step 8), checkpoint
   at every epoch end, then a fresh Trainer resumes from the second checkpoint (mid compression).
 
-Rank 0 saves ``OUT/result.pt``.
+Every rank returns the result (recorded as ``result``).
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "examples"))  # the example's gpt and data modules (tests/unit imports them so too)
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -168,11 +166,11 @@ def converge() -> dict[str, Any]:
     return out
 
 
-def resume() -> dict[str, Any]:
+def resume(out_dir: str) -> dict[str, Any]:
     out = {}
     steps, per_epoch, freeze = 30, 10, 8
     for kind in ("onebit_adam", "onebit_lamb"):
-        ckpt_dir = os.path.join(sys.argv[1], f"ckpt_{kind}")
+        ckpt_dir = os.path.join(out_dir, f"ckpt_{kind}")
         pl.seed_everything(0, workers=True)
         model, probe = Module(kind, steps, freeze), Probe()
         saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True)
@@ -190,14 +188,8 @@ def resume() -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    scenarios = sys.argv[2:] or ["converge", "resume"]
-    result = {name: globals()[name]() for name in scenarios}
+def run(out_dir: str, cases: list[str]) -> dict[str, Any]:
+    known = {"converge": converge, "resume": lambda: resume(out_dir)}
+    result: dict[str, Any] = {name: known[name]() for name in cases}
     result["world"] = int(os.environ["WORLD_SIZE"])
-    if int(os.environ["RANK"]) == 0:
-        torch.save(result, os.path.join(out_dir, "result.pt"))
-
-
-if __name__ == "__main__":
-    main()
+    return result

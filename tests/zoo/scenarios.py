@@ -1,9 +1,9 @@
-"""Worker run under ``torchrun``: trains one zoo model under several strategies in one process group.
+"""Scenario ``zoo.train`` (tests/helpers/harness.py): trains one zoo model under several strategies in one
+process group.
 
-Usage: python -m torch.distributed.run --nproc-per-node 2 tests/zoo/zoo_worker.py OUT MODEL SPEC [SPEC ...]
-with MODEL a key of ``tests.zoo.models.MODELS`` and SPEC one of ``SPECS`` below. For each spec in turn
-(everything seeded identically first) it writes ``OUT/<model>_<spec>.pt`` on rank 0, as soon as that
-run is over, holding:
+Params: ``{"model": MODEL, "specs": [SPEC, ...]}`` with MODEL a key of ``tests.zoo.models.MODELS`` and SPEC
+one of those :func:`make_strategy` knows. For each spec in turn (everything seeded identically first) rank 0
+records ``SPEC`` (``OUT/<spec>.rank0.pt``) as soon as that run is over, holding:
 
 * ``losses`` (rank 0; the GAN: ``g_losses`` and ``d_losses``) and ``weights``: the final full state
   dict (ddp: ``model.state_dict()``; ZeRO: ``strategy.full_state_dict()``, collective);
@@ -29,7 +29,6 @@ from typing import Any, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 warnings.filterwarnings("ignore")
 
 import lightning.pytorch as pl  # noqa: E402
@@ -38,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
-from tests.helpers.worker_io import save_atomic  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.zoo.models import STEPS, ZooModule, build, describe  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 90
@@ -170,7 +169,7 @@ def _barrier_or_exit() -> None:
         os._exit(3)
 
 
-def run(out: str, model_name: str, spec: str) -> None:
+def run(ctx: ScenarioContext, model_name: str, spec: str) -> None:
     pl.seed_everything(0, workers=True)
     model = build(model_name)
     sizes = describe(model)
@@ -224,15 +223,11 @@ def run(out: str, model_name: str, spec: str) -> None:
             "zero_gradient_names": list(getattr(model, "zero_gradient_names", list)()),
             **sizes,
         }
-        save_atomic(result, os.path.join(out, f"{model_name}_{spec}.pt"))
+        ctx.record(spec, result)
     del trainer
 
 
-def main() -> None:
-    out, model_name, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
-    for spec in specs:
-        run(out, model_name, spec)
-
-
-if __name__ == "__main__":
-    main()
+@scenario("zoo.train")
+def train(ctx: ScenarioContext) -> None:
+    for spec in ctx.params["specs"]:
+        run(ctx, ctx.params["model"], spec)

@@ -1,0 +1,33 @@
+"""The scenarios of the distributed suite (tests/helpers/harness.py): the ParityNet runs against ddp, the
+units skipped by data-dependent control flow, and the sharded init under zero3."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.helpers.harness import ScenarioContext, scenario
+from tests.helpers.worker_io import run_specs
+
+
+@scenario("distributed.parity")
+def parity(ctx: ScenarioContext) -> None:
+    """``runs``: ``{name: "ddp" | "zeroK[:key=value,...]"}`` (tests/helpers/parity_runs.py)."""
+    from tests.helpers.parity_runs import run
+
+    run_specs(run, ctx)
+
+
+@scenario("distributed.skipped_units")
+def skipped_units(ctx: ScenarioContext) -> None:
+    """No params; rank 0 writes ``OUT/<run>.pt`` (tests/distributed/skip_runs.py)."""
+    from tests.distributed.skip_runs import run
+
+    run(str(ctx.out))
+
+
+@scenario("distributed.sharded_init")
+def sharded_init(ctx: ScenarioContext) -> dict[str, Any]:
+    """No params; each rank's ``result``: its peak memory beside the full model's size (sharded_init.py)."""
+    from tests.distributed.sharded_init import run
+
+    return run()
