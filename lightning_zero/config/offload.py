@@ -1,6 +1,6 @@
 """ZeRO-Offload and ZeRO-Infinity settings: where the optimizer states and parameters live off the device.
 
-The offload engines (lightning_zero/offload/engine.py and its parts) take this piece
+The offload engines (lightning_zero/offload/engine.py over host_optimizer.py and its step policy) take this piece
 (``ZeroConfig.piece(OffloadConfig)``) as ``offload`` and read it under these names; what the strategy
 knows about the process (ranks per node, global rank, accumulation) comes beside it as
 :class:`lightning_zero.offload.settings.OffloadHost`.

@@ -216,7 +216,7 @@ class Stage3Engine(Stage2Engine):
             self._wait(unit)
 
     def _gather_source(self, gi: int, bi: int) -> Tensor:
-        """This rank's chunk of bucket ``bi`` on the device (offload/engine.py copies it from the host)."""
+        """This rank's chunk of bucket ``bi`` on the device (offload/sharded.py copies it from the host)."""
         return self.all_groups[gi].gather_source(bi)
 
     def _wait(self, unit: Unit) -> None:
@@ -410,7 +410,7 @@ class Stage3Engine(Stage2Engine):
                 self.release(self.units[idx])
 
     def _refresh_shards(self) -> None:
-        """The 16-bit gather sources from the updated masters (offload/engine.py uploads them instead)."""
+        """The 16-bit gather sources from the updated masters (offload/host_optimizer.py uploads them instead)."""
         for fg in self.groups:
             fg.refresh_shard16()
 
