@@ -281,7 +281,10 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._zero.begin_step("train"):
-            return super().training_step(*args, **kwargs)
+            out = super().training_step(*args, **kwargs)
+        if self._sequence is not None and self._sequence.calls == 0:  # the first step ran no split attention
+            sequence_apply.check_attention_ran(self._sequence, self.lightning_module)
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

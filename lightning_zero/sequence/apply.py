@@ -25,7 +25,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.config import SequenceConfig
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.sequence.batch import IGNORE_INDEX, shard_batch
-from lightning_zero.sequence.context import SequenceContext
+from lightning_zero.sequence.context import SequenceContext, attach
 from lightning_zero.sequence.hf import prepare_hf
 from lightning_zero.sequence.layout import SequenceLayout
 from lightning_zero.sequence.tiled_mlp import tile_mlps
@@ -47,21 +47,30 @@ def hf_models(module: nn.Module) -> list[nn.Module]:
 
 
 def prepare_module(module: nn.Module, config: SequenceConfig, dims: ParallelDims) -> SequenceContext:
-    """Switch the HF models in ``module`` to sequence-parallel attention (see [Note: sequence parallelism in
-    the strategy]); the shared context, whose layout is fixed at the first batch."""
-    models = hf_models(module)
-    if not models:
-        raise ValueError(
-            f"sequence_parallel={dims.sp}: {type(module).__name__} holds no HF transformers model whose attention "
-            "could be split over the sequence (models are prepared through transformers' attention registry)"
-        )
+    """Switch the HF models in ``module`` to sequence-parallel attention, or, without any, give every
+    module the context the attention hook reads (hook.py [Note: the attention hook]); see [Note: sequence
+    parallelism in the strategy]. The shared context's layout is fixed at the first batch."""
     context = SequenceContext(dims.sp_group, SequenceLayout(2 * dims.sp, dims.sp, config.sequence_layout),
                               config.sequence_attention)
+    models = hf_models(module)
     for model in models:
         prepare_hf(model, context)
-        if config.tiled_mlp > 1 and tile_mlps(model, config.tiled_mlp) == 0:
-            raise ValueError(f"tiled_mlp={config.tiled_mlp}: {type(model).__name__} has no submodule named 'mlp'")
+    if not models:
+        attach(list(module.modules()), context)
+    if config.tiled_mlp > 1 and tile_mlps(module, config.tiled_mlp) == 0:
+        raise ValueError(f"tiled_mlp={config.tiled_mlp}: {type(module).__name__} has no submodule named 'mlp'")
     return context
+
+
+def check_attention_ran(context: SequenceContext, module: nn.Module) -> None:
+    """After the first training step: refuse a model whose attention did not go through the group (it would
+    have attended within each rank's slice only), before its backward and step."""
+    if context.calls == 0:
+        raise ValueError(
+            f"sequence_parallel={C.world_size(context.group)}: no attention of {type(module).__name__} ran across "
+            "the sequence split. Use an HF transformers model, or call lightning_zero.sequence.attention(self, q, "
+            "k, v) in place of F.scaled_dot_product_attention (lightning_zero/sequence/hook.py)"
+        )
 
 
 def split_batch(batch: Any, context: SequenceContext, dims: ParallelDims, config: SequenceConfig) -> dict[str, Any]:

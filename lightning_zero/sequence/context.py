@@ -36,6 +36,8 @@ class SequenceContext:
     """``ulysses`` (heads must divide by the group size), ``ring``, or ``auto``: Ulysses where heads divide."""
     doc: Optional[Tensor] = field(default=None, repr=False)
     """``[B, S_local]`` document ids of the current packed batch (batch.py), None for one document per row."""
+    calls: int = 0
+    """Attention calls through this context since the strategy last reset it (apply.py's first-step check)."""
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -43,10 +45,16 @@ class SequenceContext:
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, causal: bool = True, scale: Optional[float] = None) -> Tensor:
         """``[B, H, S_local, D]`` attention over the group's whole sequence."""
+        self.calls += 1
         n = C.world_size(self.group)
         ring = self.scheme == "ring" or (self.scheme == "auto" and q.shape[1] % n != 0)
         fn = ring_attention if ring else ulysses_attention
         return fn(q, k, v, self.layout, self.group, doc=self.doc, causal=causal, scale=scale)
+
+
+    def positions(self) -> Tensor:
+        """Global positions of this rank's tokens (host tensor)."""
+        return self.layout.positions(C.rank(self.group))
 
 
 def attach(modules: list[nn.Module], context: SequenceContext) -> None:

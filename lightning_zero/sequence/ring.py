@@ -34,7 +34,7 @@ def _rotate(tensors: list[Tensor], group: Optional[C.ProcessGroup]) -> tuple[lis
     """Post the send of ``tensors`` to the next rank and the receive of the previous rank's into new
     buffers; return the buffers and the work handles (waited by ``_arrive``)."""
     n, r = C.world_size(group), C.rank(group)
-    bufs = [torch.empty_like(t) for t in tensors]
+    bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]  # contiguous, whatever t's strides
     works = C.send_recv([(t.contiguous(), (r + 1) % n) for t in tensors], [(b, (r - 1) % n) for b in bufs],
                         group, wait=False)
     return bufs, works

@@ -20,6 +20,7 @@ import lightning.pytorch as pl  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, DistributedSampler  # noqa: E402
 
 import lightning_zero  # noqa: E402
+import lightning_zero.sequence  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from tests.helpers.launch import worker_accelerator  # noqa: E402
 from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
@@ -35,6 +36,73 @@ def build() -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                         attn_implementation="sdpa"))
+
+
+class NanoAttention(torch.nn.Module):
+    """nanoGPT's CausalSelfAttention, with the one-line hook in place of F.scaled_dot_product_attention
+    (``hook=False``: the plain call, which sequence parallelism must refuse)."""
+
+    def __init__(self, d: int, heads: int, hook: bool) -> None:
+        super().__init__()
+        # bias=False (nanoGPT's option): the key bias's gradient is zero in exact arithmetic (softmax ignores a
+        # per-row shift), so Adam turns its rounding noise into full-size steps that no two summation orders share
+        self.c_attn, self.c_proj = torch.nn.Linear(d, 3 * d, bias=False), torch.nn.Linear(d, d)
+        self.n_head, self.hook = heads, hook
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        if self.hook:
+            y = lightning_zero.sequence.attention(self, q, k, v, is_causal=True)
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+
+class NanoBlock(torch.nn.Module):
+    def __init__(self, d: int, heads: int, hook: bool) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = torch.nn.LayerNorm(d), NanoAttention(d, heads, hook), torch.nn.LayerNorm(d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(torch.nn.Module):
+    """nanoGPT's layout (ModuleDict, tied head); positions through the hook."""
+
+    def __init__(self, hook: bool = True, d: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(VOCAB, d), wpe=torch.nn.Embedding(SEQ, d),
+            h=torch.nn.ModuleList([NanoBlock(d, heads, hook) for _ in range(layers)]), ln_f=torch.nn.LayerNorm(d)))
+        self.lm_head = torch.nn.Linear(d, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = lightning_zero.sequence.positions(self, idx.shape[1], idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nano_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What a nanoGPT user writes under the hook: the summed token loss over the batch's (split) targets,
+    divided by the global count the strategy passes; the plain shift on one process."""
+    labels = batch.get("shift_labels")
+    if labels is None:
+        labels = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1), value=-100)
+        count = (labels != -100).sum()
+    else:
+        count = batch["num_items_in_batch"]
+    logits = model(batch["input_ids"])
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                             reduction="sum") / count
 
 
 class Tokens(Dataset):
@@ -61,16 +129,19 @@ class Tokens(Dataset):
 class LlamaModule(pl.LightningModule):
     """What a user writes: the HF model, ``self.model(**batch).loss``."""
 
-    def __init__(self, packed: bool) -> None:
+    def __init__(self, packed: bool, kind: str = "llama") -> None:
         super().__init__()
-        self.model = build()
-        self.packed = packed
+        self.model = build() if kind == "llama" else NanoGPT(hook=kind == "nano")
+        self.packed, self.kind = packed, kind
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        if "labels" not in batch:
-            batch = {**batch, "labels": batch["input_ids"]}
-        loss = self.model(**batch).loss
+        if self.kind != "llama":
+            loss = nano_loss(self.model, batch)
+        else:
+            if "labels" not in batch:
+                batch = {**batch, "labels": batch["input_ids"]}
+            loss = self.model(**batch).loss
         self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
         return loss
 
@@ -89,7 +160,7 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
         stage=stage, sequence_parallel=int(opts["sp"]), sequence_attention=opts.get("attn", "auto"),
         sequence_layout=opts.get("layout", "zigzag"), tiled_mlp=int(opts.get("tiled", 1)), bucket_size_mb=0.002,
         **extra)
-    module = LlamaModule(opts.get("packed") == "1")
+    module = LlamaModule(opts.get("packed") == "1", opts.get("model", "llama"))
     norms: list[float] = []
 
     class Norms(pl.Callback):  # the global norm before clipping, read after each step
@@ -99,19 +170,25 @@ def run_zero(stage: int, opts: dict[str, str]) -> dict:
     trainer = pl.Trainer(accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
                          max_steps=STEPS, gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[Norms()])
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    except ValueError as err:
+        if opts.get("expect") != "refused":
+            raise
+        return {"error": str(err), "steps": trainer.global_step}
     with strategy.gathered_params() if stage == 3 else contextlib.nullcontext():
         weights = {n: p.detach().clone().cpu() for n, p in module.model.named_parameters()}
     dims = strategy.dims
-    per_rank = C.all_gather_object({"sp_rank": dims.sp_rank, "data_rank": dims.data_rank,
-                                    "attn": module.model.config._attn_implementation}, None)
+    attn = module.model.config._attn_implementation if hasattr(module.model, "config") else "hook"
+    per_rank = C.all_gather_object({"sp_rank": dims.sp_rank, "data_rank": dims.data_rank, "attn": attn}, None)
     return {"losses": module.losses, "grad_norms": norms, "weights": weights, "per_rank": per_rank}
 
 
 def run_ref(opts: dict[str, str]) -> dict:
     replicas = int(opts.get("dp", "1"))
     packed = opts.get("packed") == "1"
-    model = build()
+    kind = opts.get("model", "llama")
+    model = build() if kind == "llama" else NanoGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     data = Tokens(packed)
     losses, norms = [], []
@@ -122,7 +199,9 @@ def run_ref(opts: dict[str, str]) -> dict:
             idx = order[k * BATCH:(k + 1) * BATCH]
             rows = [data[i] for i in idx]
             batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-            if packed:
+            if kind != "llama":
+                loss = nano_loss(model, batch)
+            elif packed:
                 loss = unpacked_loss(model, batch)
             else:
                 loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss

@@ -3,7 +3,8 @@ on whole sequences: an HF Llama from a config, the LightningModule as a user wri
 (``self.model(**batch).loss``), Lightning's sampler and clipping; per-step losses and gradient norms and
 the weights after the last step, under zero1-3 and zero3 with CPU offload, Ulysses and ring attention,
 zigzag and contiguous layouts, packed rows (against the unpacked run), tiled MLPs, SP 2, SP 4 and
-dp 2 x sp 2."""
+dp 2 x sp 2; a nanoGPT-layout model through the attention/positions hook, and the same model calling
+SDPA itself refused at its first step."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ TWO = {
     "zero1": "zero1:sp=2", "zero2_ring_contiguous": "zero2:sp=2,attn=ring,layout=contiguous",
     "zero3_ulysses": "zero3:sp=2,attn=ulysses", "zero3_offload": "zero3:sp=2,offload=1",
     "zero2_packed": "zero2:sp=2,packed=1", "zero2_tiled": "zero2:sp=2,tiled=2",
-    "ref": "ref:dp=1", "ref_packed": "ref:dp=1,packed=1",
+    "nano_zero2": "zero2:sp=2,model=nano", "nano_zero3_ring": "zero3:sp=2,model=nano,attn=ring",
+    "ref": "ref:dp=1", "ref_packed": "ref:dp=1,packed=1", "ref_nano": "ref:dp=1,model=nano",
+    "nano_without_hook": "zero2:sp=2,model=nano_plain,expect=refused",
 }
 FOUR = {
     "sp4_zero2": "zero2:sp=4", "sp4_zero3_ring": "zero3:sp=4,attn=ring",
@@ -45,13 +48,22 @@ def _check(got: dict, ref: dict) -> None:
     assert max(ref["grad_norms"]) > 0.5  # clipping at 0.5 was active
     bad = {k: tensor_rel(got["weights"][k], v) for k, v in ref["weights"].items()}
     assert all(e < TOL for e in bad.values()), {k: e for k, e in bad.items() if e >= TOL}
-    assert all(r["attn"] == "lightning_zero_sp" for r in got["per_rank"])
+    assert all(r["attn"] in ("lightning_zero_sp", "hook") for r in got["per_rank"])
 
 
-@pytest.mark.parametrize("name", [n for n in TWO if not n.startswith("ref")])
+@pytest.mark.parametrize("name", [n for n in TWO if not n.startswith("ref") and "refused" not in TWO[n]])
 def test_sp2_matches_one_process(two_ranks: dict[str, dict], name: str) -> None:
-    _check(two_ranks[name], two_ranks["ref_packed" if "packed" in name else "ref"])
+    ref = "ref_packed" if "packed" in name else "ref_nano" if name.startswith("nano") else "ref"
+    _check(two_ranks[name], two_ranks[ref])
     assert [r["sp_rank"] for r in two_ranks[name]["per_rank"]] == [0, 1]
+
+
+def test_model_without_split_attention_is_refused_at_the_first_step(two_ranks: dict[str, dict]) -> None:
+    """nanoGPT calling F.scaled_dot_product_attention itself would attend within each rank's slice only."""
+    got = two_ranks["nano_without_hook"]
+    assert got["steps"] == 0  # stopped before the first optimizer step
+    assert "no attention of LlamaModule ran across the sequence split" in got["error"]
+    assert "lightning_zero.sequence.attention(self, q, k, v)" in got["error"]
 
 
 @pytest.mark.parametrize("name", [n for n in FOUR if not n.startswith("ref")])
