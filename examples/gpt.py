@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroStrategy, sequence
 from lightning_zero.callbacks import LayerDropPlan, ProgressiveLayerDrop
 from lightning_zero.logging import MoEMetrics
 from lightning_zero.moe import MoE, aux_loss
@@ -128,9 +128,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=2)
         # (b, t, d) -> (b, heads, t, head_dim)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        # F.scaled_dot_product_attention itself, or across the split under sequence_parallel (lightning_zero/sequence/hook.py)
+        y = sequence.attention(self, q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(b, t, d)
         return self.resid_drop(self.proj(y))
 
@@ -240,7 +239,7 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"Sequence of length {t} exceeds the model's seq_len {self.cfg.seq_len}.")
-        pos = torch.arange(t, device=idx.device)
+        pos = sequence.positions(self, t, idx.device)  # torch.arange(t), or this rank's positions under sequence_parallel
         x = self.drop(self.wte(idx) + self.wpe(pos))
         recompute = self.cfg.activation_checkpointing and torch.is_grad_enabled()
         plan = self._layer_drop if self.training else None  # evaluation runs every block

@@ -91,6 +91,14 @@ class NanoGPT(torch.nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
 
+def example_gpt() -> torch.nn.Module:
+    """The example's GPT (examples/gpt.py), which calls the hook; bias=False for the reason NanoAttention gives."""
+    from examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=4, d_model=32, seq_len=SEQ, bias=False))
+
+
 def nano_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """What a nanoGPT user writes under the hook: the summed token loss over the batch's (split) targets,
     divided by the global count the strategy passes; the plain shift on one process."""
@@ -131,7 +139,7 @@ class LlamaModule(pl.LightningModule):
 
     def __init__(self, packed: bool, kind: str = "llama") -> None:
         super().__init__()
-        self.model = build() if kind == "llama" else NanoGPT(hook=kind == "nano")
+        self.model = build() if kind == "llama" else example_gpt() if kind == "gpt" else NanoGPT(hook=kind == "nano")
         self.packed, self.kind = packed, kind
         self.losses: list[float] = []
 
@@ -188,7 +196,7 @@ def run_ref(opts: dict[str, str]) -> dict:
     replicas = int(opts.get("dp", "1"))
     packed = opts.get("packed") == "1"
     kind = opts.get("model", "llama")
-    model = build() if kind == "llama" else NanoGPT()
+    model = build() if kind == "llama" else example_gpt() if kind == "gpt" else NanoGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     data = Tokens(packed)
     losses, norms = [], []

@@ -3,7 +3,7 @@ on whole sequences: an HF Llama from a config, the LightningModule as a user wri
 (``self.model(**batch).loss``), Lightning's sampler and clipping; per-step losses and gradient norms and
 the weights after the last step, under zero1-3 and zero3 with CPU offload, Ulysses and ring attention,
 zigzag and contiguous layouts, packed rows (against the unpacked run), tiled MLPs, SP 2, SP 4 and
-dp 2 x sp 2; a nanoGPT-layout model through the attention/positions hook, and the same model calling
+dp 2 x sp 2; the example GPT (examples/gpt.py) and a nanoGPT-layout model through the attention/positions hook, and the same model calling
 SDPA itself refused at its first step."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ TWO = {
     "zero1": "zero1:sp=2", "zero2_ring_contiguous": "zero2:sp=2,attn=ring,layout=contiguous",
     "zero3_ulysses": "zero3:sp=2,attn=ulysses", "zero3_offload": "zero3:sp=2,offload=1",
     "zero2_packed": "zero2:sp=2,packed=1", "zero2_tiled": "zero2:sp=2,tiled=2",
-    "nano_zero2": "zero2:sp=2,model=nano", "nano_zero3_ring": "zero3:sp=2,model=nano,attn=ring",
+    "nano_zero2": "zero2:sp=2,model=nano", "gpt_zero3_offload": "zero3:sp=2,model=gpt,offload=1", "nano_zero3_ring": "zero3:sp=2,model=nano,attn=ring",
     "ref": "ref:dp=1", "ref_packed": "ref:dp=1,packed=1", "ref_nano": "ref:dp=1,model=nano",
+    "ref_gpt": "ref:dp=1,model=gpt",
     "nano_without_hook": "zero2:sp=2,model=nano_plain,expect=refused",
 }
 FOUR = {
@@ -53,7 +54,8 @@ def _check(got: dict, ref: dict) -> None:
 
 @pytest.mark.parametrize("name", [n for n in TWO if not n.startswith("ref") and "refused" not in TWO[n]])
 def test_sp2_matches_one_process(two_ranks: dict[str, dict], name: str) -> None:
-    ref = "ref_packed" if "packed" in name else "ref_nano" if name.startswith("nano") else "ref"
+    ref = "ref_packed" if "packed" in name else "ref_nano" if name.startswith("nano") else \
+        "ref_gpt" if name.startswith("gpt") else "ref"
     _check(two_ranks[name], two_ranks[ref])
     assert [r["sp_rank"] for r in two_ranks[name]["per_rank"]] == [0, 1]
 
