@@ -92,7 +92,7 @@ def split_batch(batch: Any, context: SequenceContext, dims: ParallelDims, config
     context.layout, context.doc = layout, shard.doc
     count = (layout_all_targets(batch, ids) != IGNORE_INDEX).sum().to(torch.float32)
     return {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "labels": shard.shift_labels,
-            "shift_labels": shard.shift_labels, "num_items_in_batch": count / C.world_size(context.group)}
+            "shift_labels": shard.shift_labels, "num_items_in_batch": count / dims.sp}
 
 
 def layout_all_targets(batch: dict[str, Any], ids: Tensor) -> Tensor:

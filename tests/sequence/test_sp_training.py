@@ -9,7 +9,6 @@ SDPA itself refused at its first step."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.helpers.compare import max_rel, tensor_rel
 from tests.helpers.launch import run_worker
