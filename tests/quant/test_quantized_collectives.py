@@ -1,0 +1,27 @@
+"""ZeRO++'s quantized all-gather (qwZ) and reduce-scatter (qgZ) on 2 and 4 gloo ranks against the exact
+collectives: every element within the bound the format guarantees, and the bytes each rank sends."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.harness import run_scenario
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
+def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    run = run_scenario("quant.collectives", nprocs=request.param, out=tmp_path_factory.mktemp("qcoll"),
+                       timeout=300).check()
+    return run.ranks("result")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_within_half_a_step_and_fewer_bytes(results: list[dict], bits: int) -> None:
+    for rank in results:
+        rec = rank[bits]
+        assert rec["ag_err"] <= rec["ag_bound"] + 1e-6  # each gathered value within half its block's step
+        assert rec["rs_ok"], rec["rs_err"]  # the sum within the half-steps of the N contributions
+        assert rec["ag_err"] > 0 and rec["rs_err"] > 0  # quantization did happen
+        ratio = {8: 0.6, 4: 0.35}[bits]  # against bf16 on the wire (block 32: one fp32 scale per 32 codes)
+        assert rec["ag_sent"] <= ratio * rec["exact_ag_bytes"]
+        assert rec["rs_sent"] <= ratio * rec["exact_rs_bytes"]
