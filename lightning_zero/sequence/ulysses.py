@@ -47,26 +47,17 @@ def _heads_to_seq(x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
     return recv.transpose(0, 1).reshape(b, n * hn, s // n, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+class _Reshard(torch.autograd.Function):
+    """Sequence-sharded -> head-sharded (``to_heads``) or back; the backward is the other direction."""
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
+    def forward(ctx: Any, x: Tensor, group: Optional[C.ProcessGroup], to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _seq_to_heads(grad, ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (_heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)), None, None
 
 
 def _gather_doc(doc: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
@@ -90,8 +81,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, g
                          "use ring attention (sp_attention='ring')")
     if k.shape[1] % n:  # grouped-query heads that do not split: repeat them up to the query heads
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    qh, kh, vh = (_SeqToHeads.apply(t, group) for t in (q, k, v))
+    qh, kh, vh = (_Reshard.apply(t, group, True) for t in (q, k, v))
     pos = torch.cat([layout.positions(r) for r in range(n)])
     full_doc = _gather_doc(doc, group) if doc is not None else None
     out = block_attention(qh, kh, vh, pos, pos, full_doc, full_doc, causal=causal, scale=scale)
-    return _HeadsToSeq.apply(out, group)
+    return _Reshard.apply(out, group, False)
