@@ -62,15 +62,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare_hf(model: nn.Module, context: SequenceContext) -> None:
-    """Switch an HF ``PreTrainedModel`` to the sequence-parallel attention; refuse a model it cannot split."""
+    """Switch an HF ``PreTrainedModel`` to the sequence-parallel attention; refuse a model it cannot split.
+    A sliding window is judged at the first call, against the sequence it is given (the length is unknown
+    here: the strategy prepares the model before its first batch)."""
     config = getattr(model, "config", None)
     modules = attention_modules(model)
     if config is None or not modules:
         raise ValueError(f"{type(model).__name__}: no HF attention modules found to split the sequence over")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < context.layout.seq_len:
-        raise ValueError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
-                         "under sequence parallelism")
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_NAME)

@@ -88,14 +88,14 @@ def run(name: str, spec: str, out: str) -> None:
     model = build(kind, window)
     layout = SequenceLayout(SEQ, n, opts.get("layout", "zigzag"))
     context = SequenceContext(None, layout, opts.get("scheme", "auto"))
-    try:
+    shard = shard_batch(ids, labels, layout, r, position_ids=pos)
+    context.doc = shard.doc
+    try:  # what the model cannot split is refused at setup or at the first attention call
         prepare_hf(model, context)
+        logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
     except ValueError as err:
         save_result({"spec": spec}, {"error": str(err)}, out, name)
         return
-    shard = shard_batch(ids, labels, layout, r, position_ids=pos)
-    context.doc = shard.doc
-    logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
     loss = sequence_loss(logits, shard.shift_labels, None)
     loss.backward()
     mean_loss = loss.detach().clone()

@@ -170,6 +170,10 @@ class LlamaModule(pl.LightningModule):
         self.losses.append(float(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")))
         return loss
 
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        self.transferred = batch["input_ids"].shape[1]  # the strategy splits on the host: the slice moves
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
@@ -209,7 +213,8 @@ def _result(strategy: "lightning_zero.ZeroStrategy", stage: int, module: LlamaMo
         weights = {n: p.detach().clone().cpu() for n, p in module.model.named_parameters()}
     dims = strategy.dims
     attn = module.model.config._attn_implementation if hasattr(module.model, "config") else "hook"
-    per_rank = C.all_gather_object({"sp_rank": dims.sp_rank, "data_rank": dims.data_rank, "attn": attn}, None)
+    per_rank = C.all_gather_object({"sp_rank": dims.sp_rank, "data_rank": dims.data_rank, "attn": attn,
+                                    "transferred": module.transferred}, None)
     return {"losses": losses, "grad_norms": norms, "weights": weights, "per_rank": per_rank}
 
 

@@ -75,6 +75,8 @@ def _check(got: dict, ref: dict, steps: int = 4, split: bool = True) -> None:
     assert all(e < TOL for e in bad.values()), {k: e for k, e in bad.items() if e >= TOL}
     attn = {r["attn"] for r in got["per_rank"]}
     assert attn <= {"lightning_zero_sp", "hook"} if split else attn == {"sdpa"}
+    sp = len(got["per_rank"]) // (1 + max(r["data_rank"] for r in got["per_rank"]))
+    assert {r["transferred"] for r in got["per_rank"]} == {32 // sp}  # split on the host: only the slice moved
 
 
 @pytest.mark.parametrize("name", [n for n in TWO if not n.startswith(("ref", "resume")) and "refused" not in TWO[n]])
