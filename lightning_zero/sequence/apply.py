@@ -8,7 +8,8 @@ LightningModule with no HF model inside gets the context on every module instead
 (hook.py). Each batch then passes ``split_batch`` in the strategy's ``batch_to_device``, on the host,
 before it moves: the checks (an all-ones mask), the document ids and the count read the whole batch, which
 on the host costs no device synchronisation, and only this rank's slice is copied to the device
-(``transfer_batch_to_device`` and ``on_after_batch_transfer`` receive the slice). A dict with
+(``on_before_batch_transfer`` has seen the whole batch; ``transfer_batch_to_device`` and
+``on_after_batch_transfer`` receive the slice). A dict with
 ``input_ids`` (and optionally ``labels``, ``position_ids``, an all-ones ``attention_mask``) becomes this
 rank's slice with ``position_ids``, ``shift_labels`` (so HF's loss does not shift again), ``labels`` (HF
 computes a loss only when labels are given; with ``shift_labels`` present they are not read) and

@@ -8,7 +8,8 @@ with ``q, k, v`` as ``[B, H, S, D]`` after rotary embeddings, and expect ``[B, S
 used the global ``position_ids`` the batch splitter passes, and an implementation HF has no mask function
 for makes HF skip building a mask (we build ours from positions and document ids). What we cannot honour
 is refused on the first call, naming the module: a padding ``attention_mask`` (pack sequences instead),
-attention dropout while training, sliding windows, soft-capping and ``output_attentions``.
+attention dropout while training, sliding windows shorter than the sequence (one that covers it
+changes nothing), soft-capping and ``output_attentions``.
 """
 
 from __future__ import annotations
