@@ -88,7 +88,7 @@ def gpt_module(args: argparse.Namespace, cfg: Any) -> LightningModule:
     from lightning_zero.parallel import tp_plan_gpt
 
     class TPGPTModule(GPTModule):
-        """examples/gpt.py's GPTModule, its network built in configure_model on the GPU and parallelized."""
+        """examples/gpt_module.py's GPTModule, its network built in configure_model on the GPU and parallelized."""
 
         def _build_model(self) -> Any:
             return None
