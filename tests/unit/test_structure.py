@@ -1,4 +1,5 @@
-"""The shape of the package (issue #29): files stay small, nobody outside the engines asks which engine
+"""The shape of the package (issue #29): files stay small (the package, the example, the benchmarks and the
+tests alike), nobody outside the engines asks which engine
 class it holds (zero/engine.py [Note: events, not engine classes]), and the glue that replaced the
 ``ZeroCore`` mixin carries no ``type: ignore`` except where a third-party library's typing falls short.
 """
