@@ -1,5 +1,7 @@
-"""docs/layout.md, the source map README.md links to, names only files that exist (issue #29): a file moved,
-split or renamed without its line in the map fails here instead of sending a newcomer to nothing.
+"""docs/layout.md, the source map README.md links to, names only files that exist, and its opening answers
+(where a unit is gathered, gradients reduce-scattered, the CPU step launched, a feature switched on) name
+functions and classes that are defined where they say (issue #29): a file or function moved, split or renamed
+without its line in the map fails here instead of sending a newcomer to nothing.
 
 The map is a tree: a line starting at column 0 names a top-level directory (``tests/``, ``lightning_zero/``),
 one starting at column 2 a name inside the package; the names at the head of a line (before the first wide
@@ -51,6 +53,47 @@ def missing_names(text: str) -> list[str]:
             if not found:
                 bad.append(f"line {n}: {name}")
     return bad
+
+
+def _bullets(text: str) -> list[str]:
+    """The map's opening answers: the ``- **...**`` items before the tree."""
+    prelude = text.split("```", 1)[0]
+    return [b for b in re.split(r"\n(?=- \*\*)", prelude) if b.startswith("- **")]
+
+
+def _defined(name: str, files: list[Path]) -> bool:
+    pattern = re.compile(rf"^\s*(?:def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", re.M)
+    return any(pattern.search(f.read_text()) for f in files)
+
+
+def unresolved_answers(text: str) -> list[str]:
+    """Every backticked name of an opening answer (``Stage3Engine.gather``: ``gather``) that no file or folder
+    of the same answer defines, and every backticked path that does not exist."""
+    bad = []
+    for bullet in _bullets(text):
+        quoted = re.findall(r"`([^`]+)`", bullet)
+        paths = [q for q in quoted if q.endswith((".py", "/"))]
+        files: list[Path] = []
+        for q in paths:
+            found = [b / q for b in (ROOT, ROOT / "lightning_zero") if (b / q).exists()]
+            if not found:
+                bad.append(f"no path {q}")
+            files += [f for p in found for f in ([p] if p.is_file() else sorted(p.rglob("*.py")))]
+        for q in quoted:
+            if q in paths or not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)?", q):
+                continue
+            if not _defined(q.rsplit(".", 1)[-1], files):
+                bad.append(f"{q} not defined in {[str(p) for p in paths]}")
+    return bad
+
+
+def test_the_opening_answers_name_what_exists() -> None:
+    text = LAYOUT.read_text()
+    assert len(_bullets(text)) == 4
+    assert unresolved_answers(text) == []
+    stale = text.replace("`Stage3Engine.gather`", "`Stage3Engine.gather_unit`").replace("`zero/units.py`", "`zero/unit.py`")
+    assert unresolved_answers(stale) == ["no path zero/unit.py", "Stage3Engine.gather_unit not defined in "
+                                         "['lightning_zero/zero/stage3.py', 'zero/unit.py']"]
 
 
 def test_every_file_the_map_names_exists() -> None:
