@@ -25,3 +25,16 @@ def test_within_half_a_step_and_fewer_bytes(results: list[dict], bits: int) -> N
         ratio = {8: 0.6, 4: 0.35}[bits]  # against bf16 on the wire (block 32: one fp32 scale per 32 codes)
         assert rec["ag_sent"] <= ratio * rec["exact_ag_bytes"]
         assert rec["rs_sent"] <= ratio * rec["exact_rs_bytes"]
+
+
+@pytest.mark.parametrize("results", [4], indirect=True, ids=["four_ranks"])
+def test_hierarchical_reduce_scatter_within_both_levels(results: list[dict]) -> None:
+    """Four ranks as two nodes of two: hpZ's two-level qgZ, every element within the half-steps of both
+    levels (each dequantized and summed in fp32, so the bound adds up, it does not multiply); the bytes
+    sent across nodes are half of a one-level reduce-scatter's."""
+    for rank in results:
+        rec = rank["hier"]
+        assert rec["ok"] and rec["err"] > 0, rec
+        intra, cross = rec["levels"]
+        assert intra > 0 and cross > 0
+        assert cross <= 0.5 * rec["flat_bytes"] + 64, rec  # 1 of 3 chunks leaves the node instead of 3 of 4
