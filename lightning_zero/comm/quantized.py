@@ -126,14 +126,39 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
     return QuantizedWork(works, finish, ((n - 1) * (wire + scales.numel() // n * 4),))
 
 
+class TwoLevelWork(QuantizedWork):
+    """:func:`start_reduce_scatter_hierarchical`'s handle: the inner level in flight, the outer one launched by
+    :meth:`advance` (or ``wait``), which needs the inner sums."""
+
+    def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
+                 levels: tuple[int, ...]) -> None:
+        super().__init__([], self._finish_both, levels)
+        self._first, self._outer, self._bits, self._block = first, outer, bits, block
+        self._second: Optional[QuantizedWork] = None
+
+    def advance(self) -> None:
+        """Finish the inner level and launch the outer one. A collective on the outer group: every rank of
+        it must advance its works in the same order (the launch order)."""
+        if self._second is None:
+            self._first.wait()
+            self._second = start_reduce_scatter(self._first.result, self._outer, self._bits, self._block)  # type: ignore[arg-type]
+
+    def _finish_both(self) -> Optional[Tensor]:
+        self.advance()
+        assert self._second is not None
+        self._second.wait()
+        return self._second.result
+
+
 def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
-                                      bits: int = 8, block: int = 2048) -> QuantizedWork:
+                                      bits: int = 8, block: int = 2048) -> TwoLevelWork:
     """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
     ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
     the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
     re-quantized and exchanged across nodes. ``result`` (fp32) is this rank's chunk ``node * h + local`` of
-    the sum, as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in ``wait``
-    (it needs the inner sums), so callers must wait in the same order on every rank."""
+    the sum, as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
+    ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
+    every rank."""
     h, k = C.world_size(inner), C.world_size(outer)
     flat = full.reshape(-1)
     if flat.numel() % (h * k):
@@ -141,15 +166,7 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     m = flat.numel() // (h * k)
     arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
     first = start_reduce_scatter(arranged, inner, bits, block)
-
-    def finish() -> Tensor:
-        first.wait()
-        second = start_reduce_scatter(first.result, outer, bits, block)  # type: ignore[arg-type]
-        second.wait()
-        return second.result  # type: ignore[return-value]
-
-    second_bytes = (k - 1) * quantized_nbytes(m, bits, block)
-    return QuantizedWork([], finish, (first.nbytes, second_bytes))
+    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)))
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
@@ -169,5 +186,5 @@ def reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
     return work.result.to(full.dtype), work.nbytes  # type: ignore[union-attr]
 
 
-__all__ = ["Q_MAX", "QuantizedWork", "all_gather", "code_bytes", "quantized_nbytes", "reduce_scatter",
+__all__ = ["Q_MAX", "QuantizedWork", "TwoLevelWork", "all_gather", "code_bytes", "quantized_nbytes", "reduce_scatter",
            "start_all_gather", "start_reduce_scatter", "start_reduce_scatter_hierarchical"]

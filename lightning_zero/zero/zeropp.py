@@ -21,8 +21,9 @@ DeepSpeed's ZeRO++ cuts stage 3's traffic three ways, each switchable (config/qu
   (which units were gathered in a grad-enabled forward), so every rank of a node takes it alike.
 * *qgZ*: a bucket's gradient reduce-scatter is an all-to-all of block-quantized int8/int4 chunks, each
   rank dequantizing what it receives and summing it in fp32; with hpZ on, in two levels (inside the node,
-  then across nodes with the partial sums re-quantized: comm/quantized.py). The fp32 sum is divided by the
-  data-parallel size and added to the fp32 gradient shard, never rounded to the compute dtype.
+  then across nodes with the partial sums re-quantized: comm/quantized.py; a bucket's cross-node level is
+  launched when the next bucket's reduction is, in bucket order on every rank). The fp32 sum is divided by
+  the data-parallel size and added to the fp32 gradient shard, never rounded to the compute dtype.
 
 Every byte is counted in the engine's :class:`Traffic` under a label: ``param_gather`` (partitions across
 the data-parallel ranks), ``param_gather_node`` (hpZ's secondary copies inside a node), ``grad_reduce``
@@ -75,6 +76,9 @@ class ZeroPP:
         self._secondary: dict[BucketKey, Tensor] = {}
         self._units: set[int] = set()
         """Units whose secondary copies are current (made by this step's forward)."""
+        self._two_level: list[Q.TwoLevelWork] = []
+        """The last two-level reduction launched: its cross-node level starts when the next one launches
+        (every rank launches in bucket order, so the cross-node exchanges keep that order)."""
         if (self.weight_bits or self.grad_bits or hpz is not None) and C.rank() == 0:
             log.info("lightning_zero: %s", self.describe())  # every precision choice visible in the logs
 
@@ -114,8 +118,10 @@ class ZeroPP:
         self._units.add(unit)
 
     def drop_secondaries(self) -> None:
+        """End of a backward (every reduction waited) or a step: the copies are stale from here."""
         self._secondary.clear()
         self._units.clear()
+        self._two_level = []
 
     def secondary_bytes(self) -> int:
         """Storage of the secondary copies held now (memory reports and tests)."""
@@ -131,8 +137,11 @@ class ZeroPP:
         ``result`` (fp32, this rank's chunk of the sum) once waited."""
         assert self.grad_bits is not None
         if self.hpz is not None:
+            for earlier in self._two_level:  # their cross-node level overlaps the rest of backward
+                earlier.advance()
             work = Q.start_reduce_scatter_hierarchical(bucket, self.hpz.grad_group, self.hpz.cross_group,
                                                        self.grad_bits, self.block)
+            self._two_level = [work]
             self.traffic.add("grad_reduce_node", work.levels[0])
             self.traffic.add("grad_reduce_cross", work.levels[1])
             return work
