@@ -151,3 +151,22 @@ def test_hpz_must_divide_the_data_parallel_degree() -> None:
     with pytest.raises(ValueError, match="hpz_partition_size=3 does not divide the data-parallel degree 4"):
         ParallelDims(4, 0, hpz=3)
     assert ParallelDims(8, 5, hpz=4).hierarchical and not ParallelDims(4, 0, hpz=4).hierarchical
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_a_non_finite_gradient_stays_non_finite_through_qgz(bits: int, bad: float) -> None:
+    """The non-finite step check reads the reduced gradients' norm: a NaN or inf must not be quantized away
+    (its block's scale becomes inf or NaN, so the whole block dequantizes to NaN). One process: the
+    all-to-all is a copy, the quantization is the same."""
+    from lightning_zero.comm import quantized
+
+    grad = torch.randn(600)
+    grad[5] = bad
+    flat = quantized.start_reduce_scatter(grad, None, bits=bits, block=256)
+    flat.wait()
+    two = quantized.start_reduce_scatter_hierarchical(grad, None, None, bits=bits, block=256)
+    two.wait()
+    for work in (flat, two):
+        assert not torch.isfinite(torch.linalg.vector_norm(work.result))
+        assert torch.isfinite(work.result[256:]).all()  # other blocks are untouched
