@@ -555,6 +555,9 @@ class Stage3Engine(Stage2Engine):
                 point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone())
         self._gathered.clear()
         self._pending.clear()
+        self._inexact.clear()
+        self._secondary_due.clear()
+        self.zpp.drop_secondaries()
 
 
 def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:

@@ -4,11 +4,11 @@ example GPT and an HF Llama from a tiny config, trained by a Fabric loop in fp32
 ``runs``: ``{NAME: "MODEL[:key=value,...]"}`` with MODEL ``gpt`` (activation checkpointing on, so a unit's
 forward is recomputed inside backward) or ``llama``; keys ``qw`` (quantized_weights), ``qg``
 (quantized_gradients), ``hpz`` (hpz_partition_size), ``block`` (quant_block_size, default 256: the tiny units'
-chunks are smaller than DeepSpeed's 2048), ``steps`` (default 4). Every run trains from the same weights on
+chunks are smaller than DeepSpeed's 2048), ``steps`` (default 4), ``precision`` (default ``32-true``). Every run trains from the same weights on
 the same batches (each rank its rows of a global batch), with AdamW. Rank 0 writes ``OUT/NAME.pt``: the
 global loss and the full fp32 weights after each step, the bytes the engine counted per step by label, and
 the largest hpZ secondary storage seen between forward and backward beside the non-root units' size, and
-whether ``gathered_params`` shows the masters' exact values.
+whether ``gathered_params`` shows the masters' exact values (rounded to the compute dtype).
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ def run(name: str, spec: str) -> dict[str, Any]:
         stage=3, param_persistence_threshold=0, bucket_size_mb=0.002, quantized_weights=opts.get("qw", False),
         quantized_gradients=opts.get("qg", False), hpz_partition_size=int(opts.get("hpz", 1)),
         quant_block_size=int(opts.get("block", 256)))
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.get("precision", "32-true"))
     fabric.launch()
     pl.seed_everything(0)
     net = build(model)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.1)
     net, opt = fabric.setup(net, opt)
     engine = fabric.strategy.engines[0]
-    non_root = sum(u.numel for u in engine.units[1:]) * 4  # fp32 compute dtype
+    non_root = sum(u.numel for u in engine.units[1:]) * engine.compute_dtype.itemsize
     data = torch.randint(0, VOCAB, (64, GLOBAL, SEQ + 1), generator=torch.Generator().manual_seed(1))
     weights0 = {k: v.float().clone() for k, v in fabric.strategy.full_state_dict().items()}
     losses, weights, traffic, secondary = [], [], [], 0
@@ -87,7 +87,7 @@ def run(name: str, spec: str) -> dict[str, Any]:
     full = fabric.strategy.full_state_dict()  # from the fp32 masters
     with fabric.strategy.gathered_params():  # exact even under qwZ (user code reads and writes back these)
         named = [(n, p) for n, p in net.module.named_parameters() if n in full]
-        gathered_exact = bool(named) and all(torch.equal(p.detach().float(), full[n]) for n, p in named)
+        gathered_exact = bool(named) and all(torch.equal(p.detach(), full[n].to(p.dtype)) for n, p in named)
     return {"losses": losses, "weights0": weights0, "weights": weights, "traffic": traffic, "secondary_bytes": secondary,
             "secondary_left": left, "gathered_exact": gathered_exact, "non_root_bytes": non_root, "world": world}
 
