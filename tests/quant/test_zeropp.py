@@ -12,7 +12,7 @@ quantized embeddings twice); qgZ perturbs each gradient element by the half-step
 contributions, and Adam's early steps, ~``lr x sign(g)``, turn an element whose gradient is below a step
 into a different update: a weight difference of up to ``2 lr`` on those elements at step 1 (measured
 0.2-0.7% of the weights' norm at lr 1e-3), growing by less each step after as Adam's moments average
-(measured 1.0-1.3% after step 4). The bound leaves about 2x over the worst measured run at each step
+(measured 0.35-1.3% after step 4, qwZ alone the least). The bound leaves about 2x over the worst measured run at each step
 (2026-11-28, this suite's runs). The runs must also differ from zero3 (quantization happened), and
 hpZ alone must equal zero3 bit for bit: its backward re-gathers a copy of exactly the values forward
 gathered, and the gradient reduction is unchanged (zero/zeropp.py [Note: ZeRO++ in stage 3]).
