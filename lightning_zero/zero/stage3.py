@@ -55,7 +55,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import Parameter
 
-from lightning_zero.comm import collectives as C
 from lightning_zero.comm.traffic import Traffic
 from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.stage3 import Stage3Config
