@@ -18,7 +18,8 @@ step's traffic.
 A shard is quantized in whole blocks (its last block zero-padded), but only the codes of its real
 elements travel (``numel`` bytes in int8, ``ceil(numel / 2)`` in int4) with one fp32 scale per block; the
 receiver pads them back with zero codes. Stage 3's chunks are often smaller than one block, where the
-padding would otherwise cost more than the codes. The ``start_*`` forms are asynchronous: they launch
+padding would otherwise cost more than the codes. A piece's scales and codes travel packed in one row of
+bytes, so each quantized collective is one exchange. The ``start_*`` forms are asynchronous: they launch
 the exchanges and return a :class:`QuantizedWork` whose ``wait`` dequantizes (and sums) once they are in,
 as the exact collectives' work handles let stage 3 overlap its gathers and reductions.
 """
@@ -42,7 +43,8 @@ def code_bytes(numel: int, bits: int) -> int:
 
 
 def quantized_nbytes(numel: int, bits: int, block: int) -> int:
-    """Bytes one quantized piece of ``numel`` elements takes on the wire: codes and fp32 scales."""
+    """Bytes one quantized piece of ``numel`` elements takes on the wire: codes and fp32 scales (one packed
+    row of :func:`_quantize_rows`)."""
     return code_bytes(numel, bits) + math.ceil(numel / block) * 4
 
 
@@ -67,24 +69,29 @@ class QuantizedWork:
         return True
 
 
-def _quantize_rows(rows: Tensor, bits: int, block: int) -> tuple[Tensor, Tensor, int]:
-    """Each row of ``rows`` quantized on its own (blocks never straddle rows): the codes of the real
-    elements of every row ([Note: codes on the wire]), flat, the scales, flat, and the codes per row."""
+def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+    """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
+    its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
+    both. Flat, ``n x quantized_nbytes(numel, ...)``."""
     n, numel = rows.shape
     padded = F.pad(rows.detach().float(), (0, (-numel) % block))
     qb = quantize(padded, bits=bits, block=block)
-    wire = code_bytes(numel, bits)
-    codes = qb.codes.view(n, -1)[:, :wire].contiguous().view(-1)
-    return codes, qb.scales, wire
+    nb, wire = padded.shape[1] // block, code_bytes(numel, bits)
+    packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
+    packed[:, : nb * 4] = qb.scales.view(n, nb).view(torch.uint8)
+    packed[:, nb * 4 :] = qb.codes.view(n, -1)[:, :wire].view(torch.uint8)
+    return packed.view(-1)
 
 
-def _dequantize_rows(codes: Tensor, scales: Tensor, n: int, numel: int, bits: int, block: int) -> Tensor:
-    """fp32 ``[n, numel]`` from ``n`` rows of wire codes and their scales (inverse of :func:`_quantize_rows`)."""
-    blocks = math.ceil(numel / block)
-    full = torch.zeros(n, blocks * block // (1 if bits == 8 else 2), dtype=codes.dtype, device=codes.device)
-    full[:, : code_bytes(numel, bits)].copy_(codes.view(n, -1))
-    q = _unpack_int4(full.view(-1)) if bits == 4 else full.view(-1)
-    values = q.view(n, blocks, block).float() * scales.view(n, blocks, 1)
+def _dequantize_rows(packed: Tensor, n: int, numel: int, bits: int, block: int) -> Tensor:
+    """fp32 ``[n, numel]`` from ``n`` packed rows (inverse of :func:`_quantize_rows`)."""
+    nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
+    rows = packed.view(n, nb * 4 + wire)
+    scales = rows[:, : nb * 4].contiguous().view(torch.float32)
+    codes = torch.zeros(n, nb * block // (1 if bits == 8 else 2), dtype=torch.uint8, device=packed.device)
+    codes[:, :wire] = rows[:, nb * 4 :]
+    q = _unpack_int4(codes.view(-1)) if bits == 4 else codes.view(-1).view(torch.int8)
+    values = q.view(n, nb, block).float() * scales.view(n, nb, 1)
     return values.view(n, -1)[:, :numel]
 
 
@@ -94,16 +101,15 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
     ``n x shard.numel()`` elements, any float dtype); ``wait`` dequantizes into it."""
     n = C.world_size(group)
     numel = shard.numel()
-    codes, scales, wire = _quantize_rows(shard.reshape(1, -1), bits, block)
-    codes_all = torch.empty(n * codes.numel(), dtype=codes.dtype, device=shard.device)
-    scales_all = torch.empty(n * scales.numel(), dtype=torch.float32, device=shard.device)
-    works = [C.all_gather(codes_all, codes, group, async_op=True), C.all_gather(scales_all, scales, group, async_op=True)]
+    mine = _quantize_rows(shard.reshape(1, -1), bits, block)
+    every = torch.empty(n * mine.numel(), dtype=torch.uint8, device=shard.device)
+    work = C.all_gather(every, mine, group, async_op=True)
 
     def finish() -> None:
-        out.view(n, numel).copy_(_dequantize_rows(codes_all, scales_all, n, numel, bits, block))
+        out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
         return None
 
-    return QuantizedWork(works, finish, ((n - 1) * (wire + scales.numel() * 4),))
+    return QuantizedWork([work], finish, ((n - 1) * mine.numel(),))
 
 
 def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
@@ -116,14 +122,14 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
     if flat.numel() % n:
         raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
     m = flat.numel() // n
-    codes, scales, wire = _quantize_rows(flat.view(n, m), bits, block)
-    codes_out, scales_out = torch.empty_like(codes), torch.empty_like(scales)
-    works = [C.all_to_all(codes_out, codes, group, async_op=True), C.all_to_all(scales_out, scales, group, async_op=True)]
+    packed = _quantize_rows(flat.view(n, m), bits, block)
+    received = torch.empty_like(packed)
+    work = C.all_to_all(received, packed, group, async_op=True)
 
     def finish() -> Tensor:
-        return _dequantize_rows(codes_out, scales_out, n, m, bits, block).sum(0)
+        return _dequantize_rows(received, n, m, bits, block).sum(0)
 
-    return QuantizedWork(works, finish, ((n - 1) * (wire + scales.numel() // n * 4),))
+    return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
 
 
 class TwoLevelWork(QuantizedWork):
