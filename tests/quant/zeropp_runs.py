@@ -5,7 +5,8 @@ example GPT and an HF Llama from a tiny config, trained by a Fabric loop in fp32
 forward is recomputed inside backward) or ``llama``; keys ``qw`` (quantized_weights), ``qg``
 (quantized_gradients), ``hpz`` (hpz_partition_size), ``block`` (quant_block_size, default 256: the tiny units'
 chunks are smaller than DeepSpeed's 2048), ``steps`` (default 4), ``precision`` (default ``32-true``). Every run trains from the same weights on
-the same batches (each rank its rows of a global batch), with AdamW. Rank 0 writes ``OUT/NAME.pt``: the
+the same batches (each rank its rows of a global batch), with AdamW; on CPU and gloo, or one GPU per rank
+over NCCL with ``LZ_TEST_ACCELERATOR=gpu`` (tests/helpers/launch.py). Rank 0 writes ``OUT/NAME.pt``: the
 global loss and the full fp32 weights after each step, the bytes the engine counted per step by label, and
 the largest hpZ secondary storage seen between forward and backward beside the non-root units' size, and
 whether ``gathered_params`` shows the masters' exact values (rounded to the compute dtype).
@@ -28,6 +29,7 @@ import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 
 import lightning_zero  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 from tests.helpers.parity_runs import parse  # noqa: E402
 from tests.helpers.worker_io import save_atomic  # noqa: E402
 
@@ -60,7 +62,7 @@ def run(name: str, spec: str) -> dict[str, Any]:
         stage=3, param_persistence_threshold=0, bucket_size_mb=0.002, quantized_weights=opts.get("qw", False),
         quantized_gradients=opts.get("qg", False), hpz_partition_size=int(opts.get("hpz", 1)),
         quant_block_size=int(opts.get("block", 256)))
-    fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.get("precision", "32-true"))
+    fabric = Fabric(accelerator=worker_accelerator(), devices=world, strategy=strategy, precision=opts.get("precision", "32-true"))
     fabric.launch()
     pl.seed_everything(0)
     net = build(model)
@@ -69,11 +71,11 @@ def run(name: str, spec: str) -> dict[str, Any]:
     engine = fabric.strategy.engines[0]
     non_root = sum(u.numel for u in engine.units[1:]) * engine.compute_dtype.itemsize
     data = torch.randint(0, VOCAB, (64, GLOBAL, SEQ + 1), generator=torch.Generator().manual_seed(1))
-    weights0 = {k: v.float().clone() for k, v in fabric.strategy.full_state_dict().items()}
+    weights0 = {k: v.float().cpu().clone() for k, v in fabric.strategy.full_state_dict().items()}
     losses, weights, traffic, secondary = [], [], [], 0
     for step in range(int(opts.get("steps", 4))):
         before = engine.traffic.snapshot()
-        x = data[step, fabric.global_rank :: world]
+        x = data[step, fabric.global_rank :: world].to(fabric.device)
         loss = loss_of(model, net, x)
         secondary = max(secondary, engine.zpp.secondary_bytes())  # forward done: every unit's copy kept
         fabric.backward(loss)
@@ -82,12 +84,12 @@ def run(name: str, spec: str) -> dict[str, Any]:
         after = engine.traffic.snapshot()
         traffic.append({k: after[k] - before.get(k, 0) for k in after})
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
-        weights.append({k: v.float().clone() for k, v in fabric.strategy.full_state_dict().items()})
+        weights.append({k: v.float().cpu().clone() for k, v in fabric.strategy.full_state_dict().items()})
     left = engine.zpp.secondary_bytes()  # after the step: none kept
     full = fabric.strategy.full_state_dict()  # from the fp32 masters
     with fabric.strategy.gathered_params():  # exact even under qwZ (user code reads and writes back these)
         named = [(n, p) for n, p in net.module.named_parameters() if n in full]
-        gathered_exact = bool(named) and all(torch.equal(p.detach(), full[n].to(p.dtype)) for n, p in named)
+        gathered_exact = bool(named) and all(torch.equal(p.detach(), full[n].to(p.device, p.dtype)) for n, p in named)
     return {"losses": losses, "weights0": weights0, "weights": weights, "traffic": traffic, "secondary_bytes": secondary,
             "secondary_left": left, "gathered_exact": gathered_exact, "non_root_bytes": non_root, "world": world}
 
