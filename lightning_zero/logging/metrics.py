@@ -127,8 +127,7 @@ def stage3_traffic(strategy: Any) -> dict[str, int]:
     lightning_zero/zero/zeropp.py), summed over engines; empty for other strategies and stages."""
     out: dict[str, int] = {}
     for engine in getattr(strategy, "engines", None) or []:
-        traffic = getattr(engine, "traffic", None)
-        for label, nbytes in (getattr(traffic, "sent", None) or {}).items():
+        for label, nbytes in engine.bytes_sent().items():
             out[label] = out.get(label, 0) + int(nbytes)
     return out
 

@@ -518,6 +518,9 @@ class Stage3Engine(Stage2Engine):
             out += [fg.master for fg in self.frozen_groups]
         return out
 
+    def bytes_sent(self) -> dict[str, int]:
+        return self.traffic.snapshot()
+
     def install_module_hooks(self) -> None:
         """Forward pre/post hooks on every unit (again after ``remove_hooks``, for validate/test/predict)."""
         if self._module_hooks:

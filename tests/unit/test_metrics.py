@@ -225,7 +225,8 @@ def test_stage3_traffic_is_logged_per_step() -> None:
     a.add("param_gather", 100)
     b.add("param_gather", 20)
     b.add("grad_reduce", 30)
-    strategy = SimpleNamespace(engines=[SimpleNamespace(traffic=a), SimpleNamespace(traffic=b), SimpleNamespace()])
+    strategy = SimpleNamespace(engines=[SimpleNamespace(bytes_sent=a.snapshot), SimpleNamespace(bytes_sent=b.snapshot),
+                                        SimpleNamespace(bytes_sent=dict)])  # the last: an engine below stage 3
     now = stage3_traffic(strategy)
     assert now == {"param_gather": 120, "grad_reduce": 30}
     assert traffic_metrics(now, {"param_gather": 20}, 2) == {"comm/param_gather_bytes_per_step": 50.0,
