@@ -74,9 +74,10 @@ def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
     both. Flat, ``n x quantized_nbytes(numel, ...)``."""
     n, numel = rows.shape
-    padded = F.pad(rows.detach().float(), (0, (-numel) % block))
+    pad = (-numel) % block
+    padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
     qb = quantize(padded, bits=bits, block=block)
-    nb, wire = padded.shape[1] // block, code_bytes(numel, bits)
+    nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
     packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
     packed[:, : nb * 4] = qb.scales.view(n, nb).view(torch.uint8)
     packed[:, nb * 4 :] = qb.codes.view(n, -1)[:, :wire].view(torch.uint8)
@@ -91,7 +92,7 @@ def _dequantize_rows(packed: Tensor, n: int, numel: int, bits: int, block: int) 
     codes = torch.zeros(n, nb * block // (1 if bits == 8 else 2), dtype=torch.uint8, device=packed.device)
     codes[:, :wire] = rows[:, nb * 4 :]
     q = _unpack_int4(codes.view(-1)) if bits == 4 else codes.view(-1).view(torch.int8)
-    values = q.view(n, nb, block).float() * scales.view(n, nb, 1)
+    values = q.view(n, nb, block) * scales.view(n, nb, 1)  # int8 x fp32: fp32 in one pass
     return values.view(n, -1)[:, :numel]
 
 
