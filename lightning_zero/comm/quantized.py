@@ -88,10 +88,14 @@ def _dequantize_rows(packed: Tensor, n: int, numel: int, bits: int, block: int) 
     """fp32 ``[n, numel]`` from ``n`` packed rows (inverse of :func:`_quantize_rows`)."""
     nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
     rows = packed.view(n, nb * 4 + wire)
-    scales = rows[:, : nb * 4].contiguous().view(torch.float32)
-    codes = torch.zeros(n, nb * block // (1 if bits == 8 else 2), dtype=torch.uint8, device=packed.device)
-    codes[:, :wire] = rows[:, nb * 4 :]
-    q = _unpack_int4(codes.view(-1)) if bits == 4 else codes.view(-1).view(torch.int8)
+    scales = torch.empty(n, nb * 4, dtype=torch.uint8, device=packed.device)  # fresh: 4-byte aligned rows
+    scales = scales.copy_(rows[:, : nb * 4]).view(torch.float32)
+    per_row = nb * block // (1 if bits == 8 else 2)
+    codes = rows[:, nb * 4 :]
+    if wire < per_row:  # the last block's padding comes back as zero codes
+        codes = torch.zeros(n, per_row, dtype=torch.uint8, device=packed.device)
+        codes[:, :wire] = rows[:, nb * 4 :]
+    q = _unpack_int4(codes.reshape(-1)) if bits == 4 else codes.view(torch.int8)
     values = q.view(n, nb, block) * scales.view(n, nb, 1)  # int8 x fp32: fp32 in one pass
     return values.view(n, -1)[:, :numel]
 
