@@ -1,0 +1,149 @@
+"""``generate``: KV-cached decoding of a causal LM under any ZeRO stage, called inside ``predict_step``.
+
+[Note: decoding under stage 3]
+Under stage 3 every forward gathers each unit's weights before it runs and releases them after
+(zero/stage3.py), so ``generate`` needs nothing from the strategy: each decoding step is one forward,
+and the unit hooks stream the weights (from host memory or NVMe under ZeRO-Inference,
+inference/engine.py). Gathers are collectives, so every rank must run the same number of forwards:
+without ``eos_token_id`` each runs exactly ``max_new_tokens``; with it, the ranks agree after every
+token (one all-reduce of a flag, comm/collectives.py) and stop only when every rank's sequences have
+all ended, as HF's ``synced_gpus`` does; a finished sequence is padded with ``pad_token_id``.
+
+Two kinds of models:
+
+* HF causal LMs (``transformers.PreTrainedModel`` with ``prepare_inputs_for_generation``): their own
+  cache (``DynamicCache``), ``past_key_values`` and ``use_cache``; the tokens equal HF's greedy
+  ``generate`` (``do_sample=False``).
+* Any other module mapping token ids ``[B, T]`` to logits ``[B, T, V]`` (or an output with ``.logits``):
+  cached through the attention/positions hook when the model calls it (kv_cache.py [Note: a KV cache
+  through the hook]; examples/gpt.py does), otherwise recomputed over the whole sequence per token.
+
+Padding inside a batch (left-padded prompts of different lengths) is not built: prompts of one batch
+have equal lengths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lightning_zero.comm import collectives as C
+from lightning_zero.inference.kv_cache import HookKVCache
+
+
+def is_hf_causal_lm(module: nn.Module) -> bool:
+    return hasattr(module, "prepare_inputs_for_generation") and hasattr(module, "config")
+
+
+def _logits(output: Any) -> Tensor:
+    logits = getattr(output, "logits", output)
+    if not isinstance(logits, Tensor) or logits.dim() != 3:
+        raise TypeError(f"generate needs a model returning logits [batch, time, vocab] (or an output with "
+                        f".logits), got {type(output).__name__}")
+    return logits
+
+
+def next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: Optional[int],
+               generator: Optional[torch.Generator]) -> Tensor:
+    """The next token of each row from its last-position logits ``[B, V]``: argmax, or a sample of
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest (drawn from ``generator``)."""
+    logits = logits.float()
+    if not do_sample:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def _all_ranks_done(done: bool, device: torch.device) -> bool:
+    """Whether every rank has finished ([Note: decoding under stage 3]); collective when distributed."""
+    if not C.is_initialized() or C.world_size() == 1:
+        return done
+    flag = torch.tensor([0.0 if done else 1.0], device=C.device_for(None, device))
+    C.all_reduce(flag, None, "max")
+    return bool(flag.item() == 0.0)
+
+
+@torch.no_grad()
+def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_cache: bool = True,
+             eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None, do_sample: bool = False,
+             temperature: float = 1.0, top_k: Optional[int] = None,
+             generator: Optional[torch.Generator] = None) -> Tensor:
+    """``input_ids`` ``[B, T]`` followed by up to ``max_new_tokens`` generated tokens ``[B, T + n]``.
+
+    Greedy by default (the tokens of HF's ``generate(do_sample=False)``); ``do_sample=True`` samples with
+    ``temperature`` and ``top_k`` from ``generator``. ``eos_token_id``: a row that produced it is padded
+    with ``pad_token_id`` (default: the eos id) from then on, and generation stops once every row of every
+    rank has ended ([Note: decoding under stage 3]). Call it on every rank under stage 3."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if do_sample and temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    pick = lambda logits: next_token(logits, do_sample, temperature, top_k, generator)  # noqa: E731
+    if is_hf_causal_lm(module):
+        return _decode(_hf_forward(module, use_cache), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+    if not use_cache:
+        return _decode(_recompute_forward(module), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+    with HookKVCache(module) as cache:
+        return _decode(_hook_forward(module, cache), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+
+
+Forward = Callable[[Tensor, Tensor], Tensor]
+"""(all tokens so far, tokens new since the last call) -> last-position logits ``[B, V]``."""
+
+
+def _decode(forward: Forward, input_ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
+            eos_token_id: Optional[int], pad_token_id: Optional[int]) -> Tensor:
+    ids = input_ids
+    new = input_ids
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    pad = pad_token_id if pad_token_id is not None else eos_token_id
+    for _ in range(max_new_tokens):
+        token = pick(forward(ids, new)).to(ids.dtype)
+        if eos_token_id is not None:
+            token = torch.where(unfinished, token, torch.full_like(token, pad))  # type: ignore[arg-type]
+            unfinished &= token != eos_token_id
+        new = token[:, None]
+        ids = torch.cat([ids, new], dim=1)
+        if eos_token_id is not None and _all_ranks_done(not bool(unfinished.any()), ids.device):
+            break
+    return ids
+
+
+def _hf_forward(model: nn.Module, use_cache: bool) -> Forward:
+    if not use_cache:
+        return lambda ids, new: _logits(model(input_ids=ids, use_cache=False))[:, -1]
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+
+    def forward(ids: Tensor, new: Tensor) -> Tensor:
+        return _logits(model(input_ids=new, past_key_values=cache, use_cache=True))[:, -1]
+
+    return forward
+
+
+def _recompute_forward(model: nn.Module) -> Forward:
+    return lambda ids, new: _logits(model(ids))[:, -1]
+
+
+def _hook_forward(model: nn.Module, cache: HookKVCache) -> Forward:
+    """Cached through the hook; a model that never calls it (``cache.used`` false after the prompt)
+    recomputes the whole sequence from then on ([Note: a KV cache through the hook])."""
+
+    def forward(ids: Tensor, new: Tensor) -> Tensor:
+        if cache.state.length and not cache.used:  # the prompt ran without the hook: no cache to extend
+            return _logits(model(ids))[:, -1]
+        cache.step(new.shape[1])
+        return _logits(model(new))[:, -1]
+
+    return forward

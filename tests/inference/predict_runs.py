@@ -1,0 +1,227 @@
+"""Scenario ``inference.predict`` (tests/helpers/harness.py): evaluation-only runs under stage 3 (issue #31).
+
+For each model (examples/gpt.py's GPT, an HF Llama from a tiny config) and each place of the partitions
+('none': the device, 'cpu': host memory, 'nvme': swap files) one Trainer runs ``predict``, ``validate``
+and ``test`` without ``fit`` under ``ZeroStrategy(stage=3, ...)`` on every rank; each rank records, per
+run, the largest difference of every output from the plain model's on the same batch (the plain model
+is built from the same seed in each process), what the engines hold (no optimizer, no state, no
+trainable groups, partitions of half the model) and whether ``configure_optimizers`` ran. Extra runs
+(params ``generate``) call :func:`lightning_zero.inference.generate` in ``predict_step`` and record its
+tokens next to HF's greedy ``generate`` and the plain model's; ``fit_after`` trains one step after the
+evaluation-only run, on the same module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import lightning.pytorch as pl  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import lightning_zero  # noqa: E402,F401
+from lightning_zero import ZeroStrategy  # noqa: E402
+from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
+from tests.helpers.memory import storage_bytes  # noqa: E402
+
+VOCAB, SEQ, SAMPLES, BATCH = 48, 12, 8, 2
+
+
+def build(kind: str, seed: int = 0) -> torch.nn.Module:
+    """The tiny model, the same in every process for a seed."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          initializer_range=0.2)  # logits far apart: greedy tokens are no near-tie
+        model = LlamaForCausalLM(cfg)
+        model.generation_config.eos_token_id = None  # generate the requested number of tokens
+        model.generation_config.pad_token_id = 0
+        return model.eval()
+    from examples.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=VOCAB, n_layer=3, n_head=4, d_model=32, seq_len=64)).eval()
+    with torch.no_grad():  # weights larger than GPT-2's init: logits far apart, greedy tokens are no near-tie
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def hf_generate(model: torch.nn.Module, prompt: torch.Tensor, tokens: int, use_cache: bool = True) -> torch.Tensor:
+    """HF's greedy decoding; the mask given (HF would mask every token equal to the pad id otherwise)."""
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens, do_sample=False,
+                          use_cache=use_cache)
+
+
+def logits_of(kind: str, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x).logits if kind == "llama" else model(x)
+
+
+class EvalModule(pl.LightningModule):
+    """Every evaluation step returns (or keeps) the model's logits next to its inputs; configure_optimizers
+    returns an optimizer but must not be called by a run that only evaluates."""
+
+    def __init__(self, kind: str, generate: int = 0) -> None:
+        super().__init__()
+        self.kind = kind
+        self.model = build(kind)
+        self.gen_tokens = generate
+        self.outputs: dict[str, list] = {"val": [], "test": []}
+        self.optimizers_built = 0
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        x = batch[0]
+        if self.gen_tokens:
+            from lightning_zero.inference import generate
+
+            prompt = x[:, :6]
+            out = {"prompt": prompt,
+                   "cached": generate(self.model, prompt, self.gen_tokens),
+                   "uncached": generate(self.model, prompt, self.gen_tokens, use_cache=False)}
+            if self.kind == "llama":  # HF's own greedy decoding, on the gathered weights
+                with self.trainer.strategy.gathered_params(self.model):
+                    out["hf"] = hf_generate(self.model, prompt, self.gen_tokens)
+            return out
+        return x, logits_of(self.kind, self.model, x)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.outputs["val"].append((batch[0], logits_of(self.kind, self.model, batch[0])))
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.outputs["test"].append((batch[0], logits_of(self.kind, self.model, batch[0])))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        logits = logits_of(self.kind, self.model, batch[0])
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[0][:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.optimizers_built += 1
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)), batch_size=BATCH)
+
+
+def strategy_options(where: str) -> dict[str, Any]:
+    if where == "none":
+        return {}
+    opts: dict[str, Any] = {"offload_optimizer": where, "offload_params": where}
+    if where == "nvme":
+        path = tempfile.mkdtemp(prefix="lz_infer_nvme_")
+        atexit.register(shutil.rmtree, path, True)
+        opts["nvme_path"] = path
+    return opts
+
+
+def trainer_for(where: str, max_steps: int = -1) -> pl.Trainer:
+    return pl.Trainer(accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]),
+                      strategy=ZeroStrategy(stage=3, param_persistence_threshold=0, **strategy_options(where)), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      max_steps=max_steps, num_sanity_val_steps=0)
+
+
+def max_diff(pairs: list, kind: str, plain: torch.nn.Module) -> float:
+    """Largest |strategy - plain| over the logits of every (inputs, logits) pair."""
+    worst = 0.0
+    with torch.no_grad():
+        for x, got in pairs:
+            worst = max(worst, float((got.cpu() - logits_of(kind, plain, x.cpu())).abs().max()))
+    return worst
+
+
+def engine_facts(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the strategy's engines hold on this rank (counted on the tensors themselves)."""
+    engines = trainer.strategy.engines
+    facts: dict[str, Any] = {"engines": [type(e).__name__ for e in engines]}
+    e = engines[0]
+    facts["param_groups"] = len(e.optimizer.param_groups)
+    facts["state_bytes"] = e.state_bytes()
+    facts["trainable_groups"] = len(e.groups)
+    facts["grad_buffers"] = sum(1 for fg in e.all_groups if fg.grad_shard is not None or fg.flat_grad is not None)
+    facts["partition_numel"] = sum(fg.layout.shard_numel for fg in e.frozen_groups)
+    facts["partition_storage_bytes"] = sum(fg.master.untyped_storage().nbytes() for fg in e.frozen_groups)
+    facts["host_pool_bytes"] = e.host.allocated
+    module = trainer.lightning_module.model
+    facts["model_numel"] = sum(p.numel() for p in module.parameters())
+    facts["param_storage_bytes"] = storage_bytes(module.parameters())
+    facts["swap_files"] = len(os.listdir(e.swap_dir())) if e.swap_dir() else 0
+    return facts
+
+
+def eval_run(kind: str, where: str) -> dict[str, Any]:
+    module = EvalModule(kind)
+    plain = build(kind)
+    trainer = trainer_for(where)
+    predictions = trainer.predict(module, loader())
+    out = {"predict": max_diff(predictions, kind, plain), "batches": len(predictions)}
+    out["after_predict"] = engine_facts(trainer)
+    trainer.validate(module, loader(), verbose=False)
+    trainer.test(module, loader(), verbose=False)
+    out["val"] = max_diff(module.outputs["val"], kind, plain)
+    out["test"] = max_diff(module.outputs["test"], kind, plain)
+    out["val_batches"] = len(module.outputs["val"])
+    out["optimizers_built"] = module.optimizers_built
+    out["after_test"] = engine_facts(trainer)
+    return out
+
+
+def fit_after_run(kind: str) -> dict[str, Any]:
+    """Predict, then fit one step on the same module (the evaluation engine gives its weights back)."""
+    module = EvalModule(kind)
+    plain = build(kind)
+    trainer = trainer_for("none", max_steps=1)
+    before = max_diff(trainer.predict(module, loader()), kind, plain)
+    trainer.fit(module, loader())
+    engines = trainer.strategy.engines
+    return {"predict": before, "engines": [type(e).__name__ for e in engines],
+            "optimizer": type(engines[0].optimizer).__name__, "optimizers_built": module.optimizers_built,
+            "steps": trainer.global_step}
+
+
+def generate_run(kind: str, where: str, tokens: int) -> dict[str, Any]:
+    module = EvalModule(kind, generate=tokens)
+    plain = build(kind)
+    results = trainer_for(where).predict(module, loader())
+    from lightning_zero.inference import generate
+
+    out = []
+    with torch.no_grad():
+        for r in results:
+            prompt = r["prompt"].cpu()
+            row = {k: v.cpu() for k, v in r.items()}
+            row["plain_cached"] = generate(plain, prompt, tokens)
+            row["plain_uncached"] = generate(plain, prompt, tokens, use_cache=False)
+            if kind == "llama":
+                row["plain_hf"] = hf_generate(plain, prompt, tokens)
+                row["plain_hf_nocache"] = hf_generate(plain, prompt, tokens, use_cache=False)
+            out.append(row)
+    return {"rows": out}
+
+
+@scenario("inference.predict")
+def predict(ctx: ScenarioContext) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    for spec in ctx.params["runs"]:
+        what, kind, where = spec.split(":")
+        if what == "eval":
+            runs[spec] = eval_run(kind, where)
+        elif what == "fit_after":
+            runs[spec] = fit_after_run(kind)
+        elif what == "generate":
+            runs[spec] = generate_run(kind, where, int(ctx.params.get("tokens", 5)))
+        ctx.record("partial", runs)
+    return runs
