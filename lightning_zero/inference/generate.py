@@ -24,6 +24,7 @@ have equal lengths.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional
 
 import torch
@@ -125,9 +126,11 @@ def _hf_forward(model: nn.Module, use_cache: bool) -> Forward:
     from transformers import DynamicCache
 
     cache = DynamicCache()
+    # transformers >= 5.x names the argument ``cache`` (``past_key_values`` is deprecated there)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(ids: Tensor, new: Tensor) -> Tensor:
-        return _logits(model(input_ids=new, past_key_values=cache, use_cache=True))[:, -1]
+        return _logits(model(input_ids=new, use_cache=True, **{key: cache}))[:, -1]
 
     return forward
 

@@ -73,11 +73,12 @@ class EvalModule(pl.LightningModule):
     """Every evaluation step returns (or keeps) the model's logits next to its inputs; configure_optimizers
     returns an optimizer but must not be called by a run that only evaluates."""
 
-    def __init__(self, kind: str, generate: int = 0) -> None:
+    def __init__(self, kind: str, generate: int = 0, eos: bool = False) -> None:
         super().__init__()
         self.kind = kind
         self.model = build(kind)
         self.gen_tokens = generate
+        self.eos = eos
         self.outputs: dict[str, list] = {"val": [], "test": []}
         self.optimizers_built = 0
 
@@ -87,6 +88,12 @@ class EvalModule(pl.LightningModule):
             from lightning_zero.inference import generate
 
             prompt = x[:, :6]
+            if self.eos:  # rank 0's row ends at its first token, rank 1's never: the ranks must keep in step
+                prompt = prompt[:1]
+                first = int(generate(self.model, prompt, 1)[0, -1])
+                eos = first if self.global_rank == 0 else VOCAB + 1
+                return {"prompt": prompt, "eos": eos, "ended": generate(self.model, prompt, self.gen_tokens,
+                                                                        eos_token_id=eos, pad_token_id=0)}
             out = {"prompt": prompt,
                    "cached": generate(self.model, prompt, self.gen_tokens),
                    "uncached": generate(self.model, prompt, self.gen_tokens, use_cache=False)}
@@ -128,8 +135,11 @@ def strategy_options(where: str) -> dict[str, Any]:
 
 
 def trainer_for(where: str, max_steps: int = -1) -> pl.Trainer:
+    """Stage 3 with the partitions on the device ('none'), in host memory or on NVMe; or 'zeroK' (K < 3)."""
+    stage = int(where[4]) if where.startswith("zero") else 3
+    options = {} if stage < 3 else {"param_persistence_threshold": 0, **strategy_options(where)}
     return pl.Trainer(accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]),
-                      strategy=ZeroStrategy(stage=3, param_persistence_threshold=0, **strategy_options(where)), logger=False,
+                      strategy=ZeroStrategy(stage=stage, **options), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       max_steps=max_steps, num_sanity_val_steps=0)
 
@@ -192,8 +202,8 @@ def fit_after_run(kind: str) -> dict[str, Any]:
             "steps": trainer.global_step}
 
 
-def generate_run(kind: str, where: str, tokens: int) -> dict[str, Any]:
-    module = EvalModule(kind, generate=tokens)
+def generate_run(kind: str, where: str, tokens: int, eos: bool = False) -> dict[str, Any]:
+    module = EvalModule(kind, generate=tokens, eos=eos)
     plain = build(kind)
     results = trainer_for(where).predict(module, loader())
     from lightning_zero.inference import generate
@@ -202,7 +212,11 @@ def generate_run(kind: str, where: str, tokens: int) -> dict[str, Any]:
     with torch.no_grad():
         for r in results:
             prompt = r["prompt"].cpu()
-            row = {k: v.cpu() for k, v in r.items()}
+            row = {k: v.cpu() if torch.is_tensor(v) else v for k, v in r.items()}
+            if eos:
+                row["plain_cached"] = generate(plain, prompt, tokens)
+                out.append(row)
+                continue
             row["plain_cached"] = generate(plain, prompt, tokens)
             row["plain_uncached"] = generate(plain, prompt, tokens, use_cache=False)
             if kind == "llama":
@@ -221,7 +235,7 @@ def predict(ctx: ScenarioContext) -> dict[str, Any]:
             runs[spec] = eval_run(kind, where)
         elif what == "fit_after":
             runs[spec] = fit_after_run(kind)
-        elif what == "generate":
-            runs[spec] = generate_run(kind, where, int(ctx.params.get("tokens", 5)))
+        elif what in ("generate", "generate_eos"):
+            runs[spec] = generate_run(kind, where, int(ctx.params.get("tokens", 5)), eos=what == "generate_eos")
         ctx.record("partial", runs)
     return runs

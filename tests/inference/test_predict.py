@@ -14,8 +14,9 @@ from tests.helpers.harness import run_scenario
 MODELS = ("gpt", "llama")
 PLACES = ("none", "cpu", "nvme")
 EVAL = [f"eval:{k}:{w}" for k in MODELS for w in PLACES]
-GENERATE = ["generate:gpt:none", "generate:llama:cpu", "generate:gpt:nvme"]
-RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE
+GENERATE = ["generate:gpt:none", "generate:llama:cpu", "generate:gpt:nvme", "generate:llama:zero2",
+            "generate:gpt:zero0"]
+RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE + ["generate_eos:gpt:cpu"]
 TOL = 1e-6
 
 
@@ -79,3 +80,16 @@ def test_generate_under_stage3(ranks: list[dict], spec: str) -> None:
             if kind == "llama":
                 for key in ("hf", "plain_hf", "plain_hf_nocache"):
                     assert torch.equal(row["cached"], row[key]), key
+
+
+def test_generate_ranks_stop_together(ranks: list[dict]) -> None:
+    """Rank 0's row ends at its first token, rank 1's never does: under stage 3 rank 0 keeps running
+    forwards (padding) until rank 1 is done, or the gathers would part them."""
+    for r, rank in enumerate(ranks):
+        for row in rank["generate_eos:gpt:cpu"]["rows"]:
+            got, plain, eos = row["ended"], row["plain_cached"], row["eos"]
+            assert got.shape == plain.shape == (1, 6 + 5)
+            if r == 0:
+                assert int(got[0, 6]) == eos == int(plain[0, 6]) and got[0, 7:].eq(0).all()
+            else:
+                assert torch.equal(got, plain)
