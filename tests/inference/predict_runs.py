@@ -189,6 +189,22 @@ def eval_run(kind: str, where: str) -> dict[str, Any]:
     return out
 
 
+def ckpt_run(kind: str, where: str, out_dir: str) -> dict[str, Any]:
+    """Save a checkpoint from an evaluation-only run (seed 0's weights), then predict with it on a module
+    built from another seed: the checkpoint's weights reach every partition (host memory, swap files)."""
+    path = os.path.join(out_dir, f"{kind}_{where}.ckpt")
+    first = trainer_for(where)
+    first.predict(EvalModule(kind), loader())
+    first.save_checkpoint(path)
+    torch.manual_seed(7)
+    other = EvalModule(kind)
+    other.model = build(kind, seed=7)
+    plain = build(kind)
+    mismatch_before = max_diff([(x, logits_of(kind, other.model, x)) for (x,) in loader()], kind, plain)
+    predictions = trainer_for(where).predict(other, loader(), ckpt_path=path)
+    return {"predict": max_diff(predictions, kind, plain), "before": mismatch_before}
+
+
 def fit_after_run(kind: str) -> dict[str, Any]:
     """Predict, then fit one step on the same module (the evaluation engine gives its weights back)."""
     module = EvalModule(kind)
@@ -233,6 +249,8 @@ def predict(ctx: ScenarioContext) -> dict[str, Any]:
         what, kind, where = spec.split(":")
         if what == "eval":
             runs[spec] = eval_run(kind, where)
+        elif what == "ckpt":
+            runs[spec] = ckpt_run(kind, where, str(ctx.out))
         elif what == "fit_after":
             runs[spec] = fit_after_run(kind)
         elif what in ("generate", "generate_eos"):

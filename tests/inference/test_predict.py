@@ -1,7 +1,8 @@
 """ZeRO-Inference (issue #31): ``predict`` / ``validate`` / ``test`` without ``fit`` under stage 3 on 2 gloo
 ranks, partitions on the device, in host memory and in NVMe swap files, on examples/gpt.py's GPT and an HF
 Llama: outputs equal to the plain model's, no optimizer built, no optimizer state or trainable partition,
-each rank holding half the model; then ``fit`` on the same module; and ``generate`` inside ``predict_step``
+each rank holding half the model; checkpoints saved by and loaded into such runs; then ``fit`` on the same
+module; and ``generate`` inside ``predict_step``
 (tokens equal to HF's greedy ``generate`` with and without cache, and to the plain model's). One launch."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ PLACES = ("none", "cpu", "nvme")
 EVAL = [f"eval:{k}:{w}" for k in MODELS for w in PLACES]
 GENERATE = ["generate:gpt:none", "generate:llama:cpu", "generate:gpt:nvme", "generate:llama:zero2",
             "generate:gpt:zero0"]
-RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE + ["generate_eos:gpt:cpu"]
+CKPT = ["ckpt:gpt:nvme", "ckpt:llama:cpu"]
+RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE + ["generate_eos:gpt:cpu"] + CKPT
 TOL = 1e-6
 
 
@@ -64,6 +66,16 @@ def test_fit_after_predict(ranks: list[dict]) -> None:
         assert r["predict"] <= TOL
         assert r["engines"] == ["Stage3Engine"] and r["optimizer"] == "AdamW"
         assert r["optimizers_built"] == 1 and r["steps"] == 1
+
+
+@pytest.mark.parametrize("spec", CKPT)
+def test_checkpoint_saved_by_and_loaded_into_an_evaluation_run(ranks: list[dict], spec: str) -> None:
+    """``trainer.save_checkpoint`` after an evaluation-only run holds the partitions' weights; ``predict(...,
+    ckpt_path=...)`` on a module built with other weights predicts with the checkpoint's."""
+    for rank in ranks:
+        r = rank[spec]
+        assert r["before"] > 1.0  # the second module's own weights predict something else
+        assert r["predict"] <= TOL
 
 
 @pytest.mark.parametrize("spec", GENERATE)
