@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_zero.inference.quant import dequantize_weight, quantize_linears, quantize_weight
+from lightning_zero.parallel.dtensor import is_tp_sharded
 
 UNQUANTIZED = 16
 
@@ -87,10 +88,15 @@ class MoQ(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         callback = self
-        for name, module in pl_module.named_modules():
-            if type(module) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in self.skip):
-                module.forward = types.MethodType(lambda layer, x: callback._forward(layer, x), module)  # type: ignore[method-assign]
-                self._patched.append(module)
+        targets = [(name, m) for name, m in pl_module.named_modules()
+                   if type(m) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in self.skip)]
+        for name, module in targets:
+            if is_tp_sharded(module.weight):
+                raise ValueError(f"MoQ: '{name}' is split by tensor parallelism; quantizing TP shards is not built "
+                                 "yet (skip it with MoQ(skip=[...]) or train with tensor_parallel=1)")
+        for _, module in targets:
+            module.forward = types.MethodType(lambda layer, x: callback._forward(layer, x), module)  # type: ignore[method-assign]
+            self._patched.append(module)
         self.bits = self.bits_at(trainer.global_step)
 
     @override
