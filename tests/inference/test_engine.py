@@ -1,0 +1,40 @@
+"""The evaluation-only stage-3 engine in one process (issue #31; lightning_zero/inference/engine.py): under
+``bf16-mixed`` the partitions are bf16 (2 bytes per parameter, no fp32 copy anywhere) and the predictions
+equal the plain bf16 model's, on the device and in host memory; its placeholder optimizer refuses to step.
+Two ranks, fp32, NVMe and the GPT: tests/inference/test_predict.py."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_zero import ZeroStrategy
+from lightning_zero.inference import NoOptimizer
+from tests.inference.predict_runs import EvalModule, build, loader, logits_of
+
+
+@pytest.mark.parametrize("where", ["none", "cpu"])
+def test_bf16_partitions(where: str) -> None:
+    options = {"offload_params": where, "offload_optimizer": where} if where != "none" else {}
+    trainer = pl.Trainer(strategy=ZeroStrategy(stage=3, param_persistence_threshold=0, **options), accelerator="cpu",
+                         devices=1, precision="bf16-mixed", logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    module = EvalModule("llama")
+    predictions = trainer.predict(module, loader())
+    (engine,) = trainer.strategy.engines
+    assert not engine.groups and all(fg.master.dtype == torch.bfloat16 for fg in engine.frozen_groups)
+    numel = sum(p.numel() for p in module.model.parameters())
+    assert sum(fg.master.numel() for fg in engine.frozen_groups) <= numel + 256  # one rank: the whole model, once
+    plain = build("llama").to(torch.bfloat16)
+    with torch.no_grad():
+        for x, logits in predictions:
+            assert logits.dtype == torch.bfloat16
+            assert torch.equal(logits, logits_of("llama", plain, x))
+
+
+def test_no_optimizer_refuses_to_step() -> None:
+    opt = NoOptimizer()
+    assert opt.param_groups == [] and not opt.state
+    with pytest.raises(RuntimeError, match="trainer.fit"):
+        opt.step()
