@@ -35,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as C
-from lightning_zero.config import OffloadConfig, Stage3Config
+from lightning_zero.config import InferenceConfig, OffloadConfig, Stage3Config
 from lightning_zero.offload.nvme import NvmeSwapper, SwapDir
 from lightning_zero.offload.params import NvmeParamStore, copy_done, ring_depth, stage_to_device
 from lightning_zero.offload.pinned import HostPool, can_pin
@@ -178,13 +178,15 @@ class InferenceEngine(Stage3Engine):
 def build_inference_engine(engines: Any, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,
                            global_rank: int) -> bool:
     """Fill ``engines`` (engines.py) with one :class:`InferenceEngine` when stage 3 evaluates a module no
-    ``fit`` has set up; False (nothing built) where it does not apply: another stage, a pipeline (its
-    stages hold their own layers), expert parallelism (frozen expert partitions are not built), or a
-    module without floating-point parameters."""
+    ``fit`` has set up; False (nothing built) where it does not apply: another stage,
+    ``inference_partitions=False``, a pipeline (its stages hold their own layers), expert parallelism
+    (frozen expert partitions are not built), or a module without floating-point parameters."""
     from lightning_zero.zero.materialize import make_unit_materializer
 
     config, dims = engines.config, engines.dims
     if config.stage != 3 or len(engines) or dims is None or dims.pp > 1 or dims.ep > 1:
+        return False
+    if not config.piece(InferenceConfig).inference_partitions:  # every rank materialises the whole model
         return False
     if not any(p.is_floating_point() for p in module.parameters()):
         return False

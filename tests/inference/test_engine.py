@@ -38,3 +38,19 @@ def test_no_optimizer_refuses_to_step() -> None:
     assert opt.param_groups == [] and not opt.state
     with pytest.raises(RuntimeError, match="trainer.fit"):
         opt.step()
+
+
+def test_inference_partitions_off() -> None:
+    """``inference_partitions=False``: no evaluation engine; the whole model on the device, as below stage 3."""
+    trainer = pl.Trainer(strategy=ZeroStrategy(stage=3, inference_partitions=False), accelerator="cpu", devices=1,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         enable_model_summary=False)
+    module = EvalModule("gpt")
+    predictions = trainer.predict(module, loader())
+    assert trainer.strategy.engines == []
+    assert all(p.untyped_storage().nbytes() == p.numel() * 4 for p in module.model.parameters())
+    plain = build("gpt")
+    with torch.no_grad():
+        assert all(torch.equal(logits, logits_of("gpt", plain, x)) for x, logits in predictions)
+    with pytest.raises(ValueError, match="inference_partitions"):
+        ZeroStrategy(stage=3, inference_partitions="no")
