@@ -54,3 +54,29 @@ def test_inference_partitions_off() -> None:
         assert all(torch.equal(logits, logits_of("gpt", plain, x)) for x, logits in predictions)
     with pytest.raises(ValueError, match="inference_partitions"):
         ZeroStrategy(stage=3, inference_partitions="no")
+
+
+@pytest.mark.parametrize("where", ["none", "cpu"])
+def test_fabric_stage3_without_an_optimizer(where: str) -> None:
+    """Fabric: a stage-3 module set up without optimizers whose first forward runs under ``no_grad`` gets the
+    evaluation engine (with grad enabled it is refused, tests/fabric/test_bad_input.py)."""
+    from lightning.fabric import Fabric
+
+    from lightning_zero import ZeroFabricStrategy
+
+    options = {"offload_params": where, "offload_optimizer": where} if where != "none" else {}
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=3, param_persistence_threshold=0,
+                                                                              **options))
+    fabric.launch()
+    module = build("llama")
+    model = fabric.setup_module(module)
+    plain = build("llama")
+    with torch.no_grad():
+        for (x,) in loader():
+            assert torch.equal(model(input_ids=x).logits, plain(input_ids=x).logits)
+    (engine,) = fabric.strategy._zero.engines
+    assert type(engine).__name__ == "InferenceEngine" and not engine.groups and engine.state_bytes() == 0
+    units = [u for u in engine.units[1:] if u.buckets]
+    assert units and not any(engine.is_gathered(u) for u in units)  # released after each forward
+    if where == "cpu":  # (one rank on the device aliases its partition: sharded_group.py [Note: one rank ...])
+        assert all(p.untyped_storage().nbytes() == 0 for u in units for p in u.params)
