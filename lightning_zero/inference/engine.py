@@ -151,7 +151,8 @@ class InferenceEngine(Stage3Engine):
                     point_local(p, local_tensor(p).to(self.device))
 
     def teardown(self) -> None:
-        """NVMe: the swap files stay for a later evaluation or ``fit`` (removed at exit, see ``abandon``)."""
+        """NVMe: the swap files stay for a later evaluation or ``fit``; they are removed with the engine (when
+        a ``fit`` replaces it, or at exit) or by :meth:`abandon` after a failure."""
 
     def abandon(self) -> None:
         super().abandon()
@@ -166,13 +167,6 @@ class InferenceEngine(Stage3Engine):
 
     def swap_dir(self) -> Optional[str]:
         return str(self._swapper.dir.path) if self._swapper is not None else None
-
-    # ---------------------------------------------------------------- inspection
-    def device_partition_bytes(self) -> int:
-        """Bytes of this rank's partitions in device memory (0 when streamed from host or NVMe)."""
-        if self.params_where != "none":
-            return 0
-        return sum(fg.master.numel() * fg.master.element_size() for fg in self.frozen_groups)
 
 
 def build_inference_engine(engines: Any, module: nn.Module, *, device: torch.device, compute_dtype: torch.dtype,

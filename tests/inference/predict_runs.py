@@ -165,6 +165,8 @@ def engine_facts(trainer: pl.Trainer) -> dict[str, Any]:
     facts["partition_numel"] = sum(fg.layout.shard_numel for fg in e.frozen_groups)
     facts["partition_storage_bytes"] = sum(fg.master.untyped_storage().nbytes() for fg in e.frozen_groups)
     facts["host_pool_bytes"] = e.host.allocated
+    facts["max_live_units"] = e.max_live_units_seen
+    facts["prefetch_units"] = e.prefetch_units
     module = trainer.lightning_module.model
     facts["model_numel"] = sum(p.numel() for p in module.parameters())
     facts["param_storage_bytes"] = storage_bytes(module.parameters())

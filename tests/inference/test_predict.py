@@ -50,6 +50,7 @@ def test_no_optimizer_state_and_half_the_model_per_rank(ranks: list[dict], spec:
             numel = facts["model_numel"]
             assert numel / 2 <= facts["partition_numel"] <= numel / 2 + 256  # this rank's half (+ alignment)
             assert facts["param_storage_bytes"] == 0  # every unit released after the step
+            assert facts["max_live_units"] <= facts["prefetch_units"] + 1  # the unit running and those prefetched
             if where == "nvme":  # between steps the partitions are in their swap files only
                 assert facts["partition_storage_bytes"] == 0 and facts["swap_files"] > 0
             else:
