@@ -18,8 +18,8 @@ Two kinds of models:
   cached through the attention/positions hook when the model calls it (kv_cache.py [Note: a KV cache
   through the hook]; examples/gpt.py does), otherwise recomputed over the whole sequence per token.
 
-Padding inside a batch (left-padded prompts of different lengths) is not built: prompts of one batch
-have equal lengths.
+Prompts of different lengths in one batch: left-padded, with an ``attention_mask``, for HF models (as HF's
+``generate`` takes them); other models take prompts of equal lengths.
 """
 
 from __future__ import annotations
@@ -75,14 +75,16 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
 @torch.no_grad()
 def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_cache: bool = True,
              eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None, do_sample: bool = False,
-             temperature: float = 1.0, top_k: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> Tensor:
+             temperature: float = 1.0, top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
+             attention_mask: Optional[Tensor] = None) -> Tensor:
     """``input_ids`` ``[B, T]`` followed by up to ``max_new_tokens`` generated tokens ``[B, T + n]``.
 
     Greedy by default (the tokens of HF's ``generate(do_sample=False)``); ``do_sample=True`` samples with
     ``temperature`` and ``top_k`` from ``generator``. ``eos_token_id``: a row that produced it is padded
     with ``pad_token_id`` (default: the eos id) from then on, and generation stops once every row of every
-    rank has ended ([Note: decoding under stage 3]). Call it on every rank under stage 3."""
+    rank has ended ([Note: decoding under stage 3]). ``attention_mask`` ``[B, T]`` (HF models): 0 marks the
+    left padding of prompts shorter than the batch's, positions counted as HF's ``generate`` counts them.
+    Call it on every rank under stage 3."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -90,8 +92,14 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     pick = lambda logits: next_token(logits, do_sample, temperature, top_k, generator)  # noqa: E731
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
     if is_hf_causal_lm(module):
-        return _decode(_hf_forward(module, use_cache), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+        return _decode(_hf_forward(module, use_cache, attention_mask), input_ids, max_new_tokens, pick, eos_token_id,
+                       pad_token_id)
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError(f"generate: padded prompts (attention_mask with zeros) are supported for HF causal LMs only; "
+                         f"{type(module).__name__} takes prompts of equal lengths")
     if not use_cache:
         return _decode(_recompute_forward(module), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
     with HookKVCache(module) as cache:
@@ -120,9 +128,23 @@ def _decode(forward: Forward, input_ids: Tensor, max_new_tokens: int, pick: Call
     return ids
 
 
-def _hf_forward(model: nn.Module, use_cache: bool) -> Forward:
+def _hf_forward(model: nn.Module, use_cache: bool, mask: Optional[Tensor]) -> Forward:
+    """HF's cache (or none); with a padding ``mask``, the mask grown by each new token and the positions HF's
+    ``generate`` uses (``cumsum(mask) - 1``, padding at 0)."""
+    masks = [mask]
+
+    def padding(ids: Tensor, new: Tensor) -> dict[str, Tensor]:
+        m = masks[0]
+        if m is None:
+            return {}
+        if m.shape[1] < ids.shape[1]:
+            m = torch.cat([m, m.new_ones(m.shape[0], ids.shape[1] - m.shape[1])], dim=1)
+            masks[0] = m
+        pos = (m.long().cumsum(-1) - 1).masked_fill(m == 0, 0)
+        return {"attention_mask": m, "position_ids": pos[:, -new.shape[1]:] if use_cache else pos}
+
     if not use_cache:
-        return lambda ids, new: _logits(model(input_ids=ids, use_cache=False))[:, -1]
+        return lambda ids, new: _logits(model(input_ids=ids, use_cache=False, **padding(ids, ids)))[:, -1]
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -130,7 +152,7 @@ def _hf_forward(model: nn.Module, use_cache: bool) -> Forward:
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def forward(ids: Tensor, new: Tensor) -> Tensor:
-        return _logits(model(input_ids=new, use_cache=True, **{key: cache}))[:, -1]
+        return _logits(model(input_ids=new, use_cache=True, **{key: cache}, **padding(ids, new)))[:, -1]
 
     return forward
 

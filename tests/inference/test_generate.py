@@ -112,3 +112,26 @@ def test_refusals(gpt: nn.Module) -> None:
         generate(gpt, torch.zeros(6, dtype=torch.long), 2)
     with pytest.raises(ValueError, match="temperature"):
         generate(gpt, prompts(), 2, do_sample=True, temperature=0.0)
+
+
+def test_llama_left_padded_prompts_equal_hf(llama: nn.Module) -> None:
+    x = prompts(3, 7)
+    mask = torch.ones_like(x)
+    mask[1, :3] = 0  # row 1 is a 4-token prompt, row 2 a 6-token one, left-padded with 0
+    mask[2, :1] = 0
+    x = x.masked_fill(mask == 0, 0)
+    theirs = llama.generate(x, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(generate(llama, x, 8, attention_mask=mask), theirs)
+    assert torch.equal(generate(llama, x, 8, attention_mask=mask, use_cache=False), theirs)
+    # the padded row decodes as its unpadded prompt alone does
+    alone = generate(llama, x[1:2, 3:], 8)
+    assert torch.equal(theirs[1, 3:], alone[0])
+
+
+def test_padding_refused_for_models_without_it(gpt: nn.Module) -> None:
+    x = prompts()
+    mask = torch.ones_like(x)
+    assert torch.equal(generate(gpt, x, 3, attention_mask=mask), generate(gpt, x, 3))
+    mask[0, 0] = 0
+    with pytest.raises(ValueError, match="HF causal LMs only"):
+        generate(gpt, x, 3, attention_mask=mask)
