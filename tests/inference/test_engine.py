@@ -80,3 +80,21 @@ def test_fabric_stage3_without_an_optimizer(where: str) -> None:
     assert units and not any(engine.is_gathered(u) for u in units)  # released after each forward
     if where == "cpu":  # (one rank on the device aliases its partition: sharded_group.py [Note: one rank ...])
         assert all(p.untyped_storage().nbytes() == 0 for u in units for p in u.params)
+
+
+def test_module_released_by_another_trainer_is_refused() -> None:
+    """After ``fit`` under one Trainer's stage 3, the module's weights live in that strategy's partitions: a
+    second Trainer's evaluation says so instead of failing on empty storage."""
+    options = {"stage": 3, "offload_params": "cpu", "offload_optimizer": "cpu", "param_persistence_threshold": 0}
+
+    def trainer(steps: int = -1) -> pl.Trainer:
+        return pl.Trainer(strategy=ZeroStrategy(**options), accelerator="cpu", devices=1, max_steps=steps,
+                          logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                          enable_model_summary=False)
+
+    module = EvalModule("gpt")
+    first = trainer(steps=1)
+    first.fit(module, loader())
+    with pytest.raises(RuntimeError, match="another strategy.*Evaluate with that Trainer"):
+        trainer().predict(module, loader())
+    assert len(first.predict(module, loader())) == len(loader())  # the first Trainer still evaluates it
