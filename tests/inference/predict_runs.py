@@ -191,20 +191,38 @@ def eval_run(kind: str, where: str) -> dict[str, Any]:
     return out
 
 
-def ckpt_run(kind: str, where: str, out_dir: str) -> dict[str, Any]:
+class MetaEvalModule(EvalModule):
+    """The model built in ``configure_model`` (on the meta device under stage 3: materialised unit by unit
+    by the evaluation engine), its weights coming from the checkpoint only."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.model = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build(self.kind, seed=7)
+            self.built_on_meta = any(p.is_meta for p in self.model.parameters())
+
+
+def ckpt_run(kind: str, where: str, out_dir: str, meta: bool = False) -> dict[str, Any]:
     """Save a checkpoint from an evaluation-only run (seed 0's weights), then predict with it on a module
-    built from another seed: the checkpoint's weights reach every partition (host memory, swap files)."""
-    path = os.path.join(out_dir, f"{kind}_{where}.ckpt")
+    built from another seed (``meta``: built in configure_model): the checkpoint's weights reach every
+    partition (host memory, swap files)."""
+    path = os.path.join(out_dir, f"{kind}_{where}_{meta}.ckpt")
     first = trainer_for(where)
     first.predict(EvalModule(kind), loader())
     first.save_checkpoint(path)
-    torch.manual_seed(7)
-    other = EvalModule(kind)
-    other.model = build(kind, seed=7)
     plain = build(kind)
-    mismatch_before = max_diff([(x, logits_of(kind, other.model, x)) for (x,) in loader()], kind, plain)
+    other: EvalModule = MetaEvalModule(kind) if meta else EvalModule(kind)
+    out: dict[str, Any] = {}
+    if not meta:
+        other.model = build(kind, seed=7)
+        out["before"] = max_diff([(x, logits_of(kind, other.model, x)) for (x,) in loader()], kind, plain)
     predictions = trainer_for(where).predict(other, loader(), ckpt_path=path)
-    return {"predict": max_diff(predictions, kind, plain), "before": mismatch_before}
+    out["predict"] = max_diff(predictions, kind, plain)
+    out["built_on_meta"] = getattr(other, "built_on_meta", False)
+    return out
 
 
 def fit_after_run(kind: str) -> dict[str, Any]:
@@ -251,8 +269,8 @@ def predict(ctx: ScenarioContext) -> dict[str, Any]:
         what, kind, where = spec.split(":")
         if what == "eval":
             runs[spec] = eval_run(kind, where)
-        elif what == "ckpt":
-            runs[spec] = ckpt_run(kind, where, str(ctx.out))
+        elif what in ("ckpt", "ckpt_meta"):
+            runs[spec] = ckpt_run(kind, where, str(ctx.out), meta=what == "ckpt_meta")
         elif what == "fit_after":
             runs[spec] = fit_after_run(kind)
         elif what in ("generate", "generate_eos"):
