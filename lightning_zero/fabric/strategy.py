@@ -39,7 +39,6 @@ from typing_extensions import override
 
 from lightning_zero import environment as E
 from lightning_zero.apply import build_engines, finish_setup, place, prepare_module
-from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.checkpoint.sharded import ShardedCheckpointer
 from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_zero.comm import collectives as C
@@ -48,6 +47,7 @@ from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
 from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
