@@ -4,6 +4,13 @@
     python3 benchmarks/inference.py                                   # one GPU: Llama-3-8B shape, bf16
     python3 benchmarks/inference.py --peer-compile                    # + HF static cache and torch.compile
     python3 benchmarks/inference.py --device cpu --model llama_tiny --new-tokens 8 --dtype float32   # smoke
+    python3 benchmarks/inference.py --offload --batch 16 --new-tokens 8      # ZeRO-Inference from host memory
+
+``--offload``: the model built on the meta device in ``configure_model`` and materialised by the evaluation
+engine unit by unit into pinned host memory (``zero3_offload``, one device, ``bf16-mixed``), decoding
+``--batch`` prompts in ``predict_step``: every forward streams every unit's weights to the device once, so
+its roofline is ``batch x`` the host-to-device bandwidth (measured, pinned) / weight bytes (target: >= 0.8x;
+HF Accelerate's ``device_map="auto"`` offload, the issue's peer, is not in this script yet).
 
 Rows (random weights, ``benchmarks/presets.py`` shapes, nothing downloaded; prompt ``--prompt`` tokens):
 ``roofline`` (weight bytes / the device's read bandwidth, measured by a device-to-device copy),
@@ -39,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="median of this many timings")
     p.add_argument("--peer-compile", action="store_true", help="also HF generate with a static cache, compiled")
     p.add_argument("--no-quant", action="store_true", help="skip the int8/int4 rows")
+    p.add_argument("--offload", action="store_true", help="ZeRO-Inference from host memory instead (see above)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per forward (--offload)")
     return p.parse_args(argv)
 
 
@@ -102,8 +111,73 @@ def decode_rate(run: Callable[[int], object], n: int, repeats: int, device: torc
     return (n - 1) / span if span > 0 else float("nan")  # nan: too few tokens to time (noise won)
 
 
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second from pinned host memory to ``device`` (a host copy on a CPU-only machine)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def offload_main(args: argparse.Namespace, device: torch.device) -> None:
+    """Decode under ``zero3_offload`` on one device (see the module docstring)."""
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.inference import generate
+
+    _, dims = llama_preset(args.model, args.layers)
+    dims.pop("seq_len")
+    cfg = LlamaConfig(**dims, max_position_embeddings=args.prompt + args.new_tokens + 8)
+
+    class Decode(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: torch.nn.Module | None = None
+            self.rates: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is None:  # on the meta device: materialised unit by unit into host memory
+                self.model = LlamaForCausalLM(cfg)
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            assert self.model is not None
+            self.rates.append(decode_rate(lambda k: generate(self.model, batch[0], k), args.new_tokens, 1,
+                                          self.device))
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randint(0, cfg.vocab_size, (args.batch * args.repeats, args.prompt))),
+        batch_size=args.batch)
+    module = Decode()
+    precision = "bf16-mixed" if args.dtype == "bfloat16" else "32-true"
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=precision,
+                         strategy=ZeroStrategy(stage=3, offload_params="cpu", offload_optimizer="cpu"),
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer.predict(module, data, return_predictions=False)
+    assert module.model is not None
+    weight_bytes = sum(p.numel() for p in module.model.parameters()) * torch.empty((), dtype=getattr(
+        torch, args.dtype)).element_size()
+    roofline = args.batch * h2d_bandwidth(device) / weight_bytes
+    rate = args.batch * sorted(module.rates)[len(module.rates) // 2]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"## ZeRO-Inference decode from host memory, batch {args.batch}, {args.model} ({weight_bytes / 2**30:.2f} "
+          f"GiB of {args.dtype} weights), {name}, {datetime.date.today()}\n")
+    print("| run | tokens/s | x roofline |\n| --- | --- | --- |")
+    print(f"| pcie_roofline | {roofline:.2f} | 1.00 |\n| zero3_offload | {rate:.2f} | {rate / roofline:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.offload:
+        offload_main(args, torch.device(args.device))
+        return
     from lightning_zero.inference import generate, quantize_linears
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
