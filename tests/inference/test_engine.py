@@ -98,3 +98,19 @@ def test_module_released_by_another_trainer_is_refused() -> None:
     with pytest.raises(RuntimeError, match="another strategy.*Evaluate with that Trainer"):
         trainer().predict(module, loader())
     assert len(first.predict(module, loader())) == len(loader())  # the first Trainer still evaluates it
+
+
+def test_full_state_dict_and_full_checkpoint_after_predict(tmp_path) -> None:
+    """The full state dict (and a ``checkpoint_format="full"`` file) of an evaluation-only run under NVMe: the
+    plain model's weights, read back from the swap files."""
+    strategy = ZeroStrategy(stage=3, offload_params="nvme", offload_optimizer="nvme", nvme_path=str(tmp_path),
+                            param_persistence_threshold=0, checkpoint_format="full")
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, enable_model_summary=False)
+    trainer.predict(EvalModule("llama"), loader())
+    expected = {"model." + k: v for k, v in build("llama").state_dict().items()}
+    state = trainer.strategy.full_state_dict()
+    assert set(state) == set(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
+    trainer.save_checkpoint(tmp_path / "full.ckpt")
+    saved = torch.load(tmp_path / "full.ckpt", weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)
