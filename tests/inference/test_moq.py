@@ -130,3 +130,15 @@ def test_schedule_refusals() -> None:
     with pytest.raises(ValueError, match="bits"):
         MoQ({0: 16, 10: 6})
     assert MoQ({10: 8}).schedule == [(0, 16), (10, 8)]
+
+
+def test_moq_under_zero3_equals_zero2() -> None:
+    """The quantized forward under stage 3 (one rank: the unit hooks and the partition's views, no gather)
+    trains as under stage 2: same per-step losses at 4 bits."""
+    losses = {}
+    for stage in (2, 3):
+        module = LM()
+        trainer(stage, [MoQ({0: 4}, group_size=GROUP)], steps=5).fit(module, data())
+        losses[stage] = module.losses
+    assert len(losses[3]) == 5
+    torch.testing.assert_close(torch.tensor(losses[3]), torch.tensor(losses[2]), rtol=1e-6, atol=1e-6)
