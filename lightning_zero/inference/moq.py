@@ -59,9 +59,13 @@ class MoQ(pl.Callback):
 
     ``schedule``: global step -> bits (16, 8 or 4) from that step on; the entry for step 0 is the start
     (16 if absent). ``group_size``: input features per quantization group. ``skip``: fnmatch patterns of
-    Linear module names (relative to the LightningModule) left unquantized, e.g. ``["model.lm_head"]``."""
+    Linear module names (relative to the LightningModule) left unquantized, e.g. ``["model.lm_head"]``.
+    ``export_path``: at the end of ``fit``, rank 0 saves the LightningModule's state dict there with every
+    quantized Linear's weight as its codes and scales at the final precision (:func:`quantized_state_dict`),
+    loadable into the module once ``quantize_linears`` has prepared it (collective under ZeroStrategy)."""
 
-    def __init__(self, schedule: Mapping[int, int], group_size: int = 128, skip: Sequence[str] = ()) -> None:
+    def __init__(self, schedule: Mapping[int, int], group_size: int = 128, skip: Sequence[str] = (),
+                 export_path: Optional[str] = None) -> None:
         steps = sorted((int(s), int(b)) for s, b in schedule.items())
         bad = [b for _, b in steps if b not in (4, 8, UNQUANTIZED)]
         if not steps or bad or steps[0][0] < 0:
@@ -71,6 +75,7 @@ class MoQ(pl.Callback):
         self.schedule = steps
         self.group_size = group_size
         self.skip = list(skip)
+        self.export_path = export_path
         self.bits = steps[0][1]
         """The precision the Linears compute with now."""
         self._patched: list[nn.Linear] = []
@@ -110,6 +115,13 @@ class MoQ(pl.Callback):
             if "forward" in module.__dict__:
                 del module.forward
         self._patched = []
+        if self.export_path is not None:
+            full = getattr(trainer.strategy, "full_state_dict", None)  # ZeroStrategy: gathered (collective)
+            state = full() if callable(full) else pl_module.state_dict()
+            if trainer.is_global_zero:
+                torch.save(quantized_state_dict(pl_module, state, self.final_bits, self.group_size, self.skip),
+                           self.export_path)
+            trainer.strategy.barrier("moq_export")
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -126,3 +138,19 @@ def export_quantized(model: nn.Module, bits: int, group_size: int, skip: Sequenc
     if bits >= UNQUANTIZED:
         return []
     return quantize_linears(model, bits=bits, group_size=group_size, skip=skip)
+
+
+def quantized_state_dict(module: nn.Module, state: Mapping[str, Tensor], bits: int, group_size: int,
+                         skip: Sequence[str] = ()) -> dict[str, Tensor]:
+    """``state`` (``module``'s full state dict) with each ``nn.Linear``'s ``weight`` replaced by the ``codes`` and
+    ``scales`` :class:`~lightning_zero.inference.quant.QuantLinear` holds, quantized from the weight in the
+    Linear's own dtype (the values the quantized forward computed with). At 16 bits: ``state`` unchanged."""
+    out = dict(state)
+    if bits >= UNQUANTIZED:
+        return out
+    for name, m in module.named_modules():
+        if type(m) is not nn.Linear or any(fnmatch.fnmatchcase(name, p) for p in skip):
+            continue
+        qb = quantize_weight(out.pop(f"{name}.weight").to(m.weight.dtype), bits, group_size)
+        out[f"{name}.codes"], out[f"{name}.scales"] = qb.codes, qb.scales
+    return out

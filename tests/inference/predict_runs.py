@@ -262,6 +262,33 @@ def generate_run(kind: str, where: str, tokens: int, eos: bool = False) -> dict[
     return {"rows": out}
 
 
+def moq_export_run(kind: str, where: str, out_dir: str) -> dict[str, Any]:
+    """MoQ at 8 bits for 2 steps under stage 3, exporting at the end of fit (a collective gather, rank 0
+    writes); every rank loads the file into a freshly quantized model and compares its logits with the
+    trained weights (gathered again) fake-quantized in a plain model."""
+    from lightning_zero.inference import MoQ, fake_quantize, quantize_linears
+
+    path = os.path.join(out_dir, f"moq_{kind}_{where}.pt")
+    module = EvalModule(kind)
+    trainer = trainer_for(where, max_steps=2)
+    trainer.callbacks.append(MoQ({0: 8}, group_size=16, export_path=path))
+    trainer.fit(module, loader())
+    trained = {k[len("model."):]: v for k, v in trainer.strategy.full_state_dict().items()}
+    reference = build(kind)
+    reference.load_state_dict(trained)
+    with torch.no_grad():
+        for m in reference.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.copy_(fake_quantize(m.weight, 8, 16))
+    loaded = build(kind)
+    quantize_linears(loaded, bits=8, group_size=16)
+    loaded.load_state_dict({k[len("model."):]: v for k, v in torch.load(path).items()})
+    x = next(iter(loader()))[0]
+    with torch.no_grad():
+        return {"diff": float((logits_of(kind, loaded, x) - logits_of(kind, reference, x)).abs().max()),
+                "moved": float((logits_of(kind, reference, x) - logits_of(kind, build(kind), x)).abs().max())}
+
+
 @scenario("inference.predict")
 def predict(ctx: ScenarioContext) -> dict[str, Any]:
     runs: dict[str, Any] = {}
@@ -271,6 +298,8 @@ def predict(ctx: ScenarioContext) -> dict[str, Any]:
             runs[spec] = eval_run(kind, where)
         elif what in ("ckpt", "ckpt_meta"):
             runs[spec] = ckpt_run(kind, where, str(ctx.out), meta=what == "ckpt_meta")
+        elif what == "moq_export":
+            runs[spec] = moq_export_run(kind, where, str(ctx.out))
         elif what == "fit_after":
             runs[spec] = fit_after_run(kind)
         elif what in ("generate", "generate_eos"):

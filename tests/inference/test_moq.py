@@ -70,10 +70,10 @@ def trainer(stage: int, callbacks: list, steps: int = STEPS) -> pl.Trainer:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, LM]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, LM]:
     ref, moq_module = LM(), LM()
     trainer(2, []).fit(ref, data())
-    moq = MoQ(SCHEDULE, group_size=GROUP)
+    moq = MoQ(SCHEDULE, group_size=GROUP, export_path=str(tmp_path_factory.mktemp("moq") / "int4.pt"))
     trainer(2, [moq]).fit(moq_module, data())
     moq_module.moq = moq  # type: ignore[assignment]
     return {"ref": ref, "moq": moq_module}
@@ -124,6 +124,12 @@ def test_export_equals_the_quantized_forward_and_predicts(runs: dict[str, LM], t
     fresh.model.load_state_dict(torch.load(tmp_path / "moq_int4.pt"))
     (predicted,) = trainer(3, []).predict(fresh, DataLoader(TensorDataset(x), batch_size=4))
     assert torch.equal(predicted, expected)
+    # the file the callback wrote at the end of fit (the LightningModule's keys) holds the same codes
+    written = LM()
+    quantize_linears(written.model, bits=4, group_size=GROUP)
+    written.load_state_dict(torch.load(moq.export_path))
+    with torch.no_grad():
+        assert torch.equal(written.model(x), expected)
 
 
 def test_schedule_refusals() -> None:

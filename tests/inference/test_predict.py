@@ -2,7 +2,7 @@
 ranks, partitions on the device, in host memory and in NVMe swap files, on examples/gpt.py's GPT and an HF
 Llama: outputs equal to the plain model's, no optimizer built, no optimizer state or trainable partition,
 each rank holding half the model; checkpoints saved by and loaded into such runs; then ``fit`` on the same
-module; and ``generate`` inside ``predict_step``
+module; MoQ's export after a stage-3 fit; and ``generate`` inside ``predict_step``
 (tokens equal to HF's greedy ``generate`` with and without cache, and to the plain model's). One launch."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ EVAL = [f"eval:{k}:{w}" for k in MODELS for w in PLACES]
 GENERATE = ["generate:gpt:none", "generate:llama:cpu", "generate:gpt:nvme", "generate:llama:zero2",
             "generate:gpt:zero0"]
 CKPT = ["ckpt:gpt:nvme", "ckpt:llama:cpu", "ckpt_meta:gpt:cpu", "ckpt_meta:llama:nvme"]
-RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE + ["generate_eos:gpt:cpu"] + CKPT
+RUNS = EVAL + ["fit_after:gpt:none"] + GENERATE + ["generate_eos:gpt:cpu"] + CKPT + ["moq_export:llama:cpu"]
 TOL = 1e-6
 
 
@@ -110,3 +110,12 @@ def test_generate_ranks_stop_together(ranks: list[dict]) -> None:
                 assert int(got[0, 6]) == eos == int(plain[0, 6]) and got[0, 7:].eq(0).all()
             else:
                 assert torch.equal(got, plain)
+
+
+def test_moq_export_under_stage3(ranks: list[dict]) -> None:
+    """MoQ's export at the end of a stage-3 fit with CPU offload (gathered, written by rank 0) loads into a
+    quantized model whose logits equal the trained weights' fake-quantized ones, on every rank."""
+    for rank in ranks:
+        r = rank["moq_export:llama:cpu"]
+        assert r["moved"] > 0.1  # two steps moved the weights away from the initial ones
+        assert r["diff"] == 0.0
