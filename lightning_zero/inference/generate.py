@@ -7,7 +7,9 @@ and the unit hooks stream the weights (from host memory or NVMe under ZeRO-Infer
 inference/engine.py). Gathers are collectives, so every rank must run the same number of forwards:
 without ``eos_token_id`` each runs exactly ``max_new_tokens``; with it, the ranks agree after every
 token (one all-reduce of a flag, comm/collectives.py) and stop only when every rank's sequences have
-all ended, as HF's ``synced_gpus`` does; a finished sequence is padded with ``pad_token_id``.
+all ended, as HF's ``synced_gpus`` does; a finished sequence is padded with ``pad_token_id``. Whether to
+agree (``synced_ranks``) is decided by default from the model: distributed, and some parameter released
+between forwards (stage 3 gathers it in the next one); stages 0-2 decode each rank on its own.
 
 Two kinds of models:
 
@@ -63,9 +65,9 @@ def next_token(logits: Tensor, do_sample: bool, temperature: float, top_k: Optio
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def _all_ranks_done(done: bool, device: torch.device) -> bool:
-    """Whether every rank has finished ([Note: decoding under stage 3]); collective when distributed."""
-    if not C.is_initialized() or C.world_size() == 1:
+def _all_done(done: bool, device: torch.device, synced: bool) -> bool:
+    """Whether this rank (``synced``: every rank) has finished ([Note: decoding under stage 3])."""
+    if not synced or not C.is_initialized() or C.world_size() == 1:
         return done
     flag = torch.tensor([0.0 if done else 1.0], device=C.device_for(None, device))
     C.all_reduce(flag, None, "max")
@@ -76,7 +78,7 @@ def _all_ranks_done(done: bool, device: torch.device) -> bool:
 def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_cache: bool = True,
              eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None, do_sample: bool = False,
              temperature: float = 1.0, top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             attention_mask: Optional[Tensor] = None) -> Tensor:
+             attention_mask: Optional[Tensor] = None, synced_ranks: Optional[bool] = None) -> Tensor:
     """``input_ids`` ``[B, T]`` followed by up to ``max_new_tokens`` generated tokens ``[B, T + n]``.
 
     Greedy by default (the tokens of HF's ``generate(do_sample=False)``); ``do_sample=True`` samples with
@@ -84,7 +86,8 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
     with ``pad_token_id`` (default: the eos id) from then on, and generation stops once every row of every
     rank has ended ([Note: decoding under stage 3]). ``attention_mask`` ``[B, T]`` (HF models): 0 marks the
     left padding of prompts shorter than the batch's, positions counted as HF's ``generate`` counts them.
-    Call it on every rank under stage 3."""
+    ``synced_ranks``: stop together across ranks (default: under stage 3, see [Note: decoding under stage
+    3]). Call it on every rank under stage 3."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -92,18 +95,28 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
     if do_sample and temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     pick = lambda logits: next_token(logits, do_sample, temperature, top_k, generator)  # noqa: E731
+    synced = _partitioned(module) if synced_ranks is None else synced_ranks
+    decode = lambda forward: _decode(forward, input_ids, max_new_tokens, pick, eos_token_id, pad_token_id,  # noqa: E731
+                                     synced)
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
     if is_hf_causal_lm(module):
-        return _decode(_hf_forward(module, use_cache, attention_mask), input_ids, max_new_tokens, pick, eos_token_id,
-                       pad_token_id)
+        return decode(_hf_forward(module, use_cache, attention_mask))
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError(f"generate: padded prompts (attention_mask with zeros) are supported for HF causal LMs only; "
                          f"{type(module).__name__} takes prompts of equal lengths")
     if not use_cache:
-        return _decode(_recompute_forward(module), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+        return decode(_recompute_forward(module))
     with HookKVCache(module) as cache:
-        return _decode(_hook_forward(module, cache), input_ids, max_new_tokens, pick, eos_token_id, pad_token_id)
+        return decode(_hook_forward(module, cache))
+
+
+def _partitioned(module: nn.Module) -> bool:
+    """Distributed, and some parameter of ``module`` released (storage emptied by a stage-3 engine between
+    its unit's forwards): its forwards gather, so every rank must run as many ([Note: decoding under stage 3])."""
+    if not C.is_initialized() or C.world_size() == 1:
+        return False
+    return any(p.numel() and not p.is_meta and p.untyped_storage().nbytes() == 0 for p in module.parameters())
 
 
 Forward = Callable[[Tensor, Tensor], Tensor]
@@ -111,7 +124,7 @@ Forward = Callable[[Tensor, Tensor], Tensor]
 
 
 def _decode(forward: Forward, input_ids: Tensor, max_new_tokens: int, pick: Callable[[Tensor], Tensor],
-            eos_token_id: Optional[int], pad_token_id: Optional[int]) -> Tensor:
+            eos_token_id: Optional[int], pad_token_id: Optional[int], synced: bool) -> Tensor:
     ids = input_ids
     new = input_ids
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -123,7 +136,7 @@ def _decode(forward: Forward, input_ids: Tensor, max_new_tokens: int, pick: Call
             unfinished &= token != eos_token_id
         new = token[:, None]
         ids = torch.cat([ids, new], dim=1)
-        if eos_token_id is not None and _all_ranks_done(not bool(unfinished.any()), ids.device):
+        if eos_token_id is not None and _all_done(not bool(unfinished.any()), ids.device, synced):
             break
     return ids
 
