@@ -14,7 +14,9 @@ one before it:
 4. The optimizers (Lightning's ``configure_optimizers`` runs here, on the placed module, as under ddp).
 5. One engine per optimizer: stage and offload from the config; the fp32 masters are taken now, in fp32
    (stage 3 materialises a meta-built module unit by unit here, each unit costing memory once).
-6. Materialise what no engine owns (not fitting, or parameters outside every optimizer).
+   Not fitting: the engines of an earlier fit, or under stage 3 with none, one engine over frozen
+   partitions and no optimizer (inference/engine.py [Note: an engine without an optimizer]).
+6. Materialise what no engine owns (not fitting below stage 3, or parameters outside every optimizer).
 7. Cast: the rest of the module to the compute dtype (the masters exist already).
 8. Compile: the one call site of ``torch.compile`` (zero/compile.py), after the cast, on stage 3's units.
 9. Activation offload: the one call site (activations/policy.py), on the compiled or plain units.
@@ -37,6 +39,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import OffloadConfig, QuantCommConfig, Stage3Config
 from lightning_zero.engines import Engines, check_optimizers_own_their_params
+from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
 from lightning_zero.offload.settings import OffloadHost
@@ -77,7 +80,8 @@ def apply_zero(
     if optimizers is not None:
         engines.unshard_to_plain()  # a second fit: stage-3 parameters get their full storage back
         build_engines(engines, module, optimizers(), dims=dims, device=device, precision=precision, host=host)  # 4-5
-    else:
+    elif not build_inference_engine(engines, module, device=device, compute_dtype=precision.compute_dtype,
+                                    global_rank=host.global_rank):  # stage 3 evaluating, no fit: ZeRO-Inference
         engines.install_module_hooks()  # validate/test/predict after fit: gather per unit again
     finish_setup(engines, module, device, precision)  # 6-10
     return engines

@@ -108,10 +108,14 @@ class StrategyCheckpoints:
         """What this rank holds; ``optimizers``: those a checkpoint covers, in its order (default: all)."""
         dims = self.engines.dims
         opts = list(self.owner.optimizers if optimizers is None else optimizers)
+        engines = [self.engines.of(o) for o in opts]
+        # engines of no listed optimizer still hold weights (an evaluation-only run's: inference/engine.py);
+        # they come after the optimizers' (``engines[k]`` is optimizer k's)
+        engines += [e for e in self.engines if not any(e is x for x in engines)]
         return L.RankView(
             module=self.engines.module,
             optimizers=opts,
-            engines=[self.engines.of(o) for o in opts],
+            engines=engines,
             dp_rank=dims.dp_rank if dims is not None else 0,
             dp_size=dims.dp if dims is not None else 1,
             pp_rank=dims.pp_rank if dims is not None else 0,

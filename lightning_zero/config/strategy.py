@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from lightning_zero.config.activations import ActivationConfig
 from lightning_zero.config.checkpoint import CheckpointConfig
 from lightning_zero.config.compile import COMPILE_ARGS, CompileConfig
+from lightning_zero.config.inference import InferenceConfig
 from lightning_zero.config.launch import LaunchConfig
 from lightning_zero.config.offload import VALID_OFFLOAD, OffloadConfig
 from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
@@ -63,7 +64,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig,
+    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -76,7 +77,8 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig,
+                 ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 

@@ -47,6 +47,7 @@ from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
 from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.precision import ZeroFabricPrecision
+from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
@@ -325,12 +326,14 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def _pre_forward(self, module: Module, args: Any) -> None:
         """Opens a step (the Trainer's ``training_step``/``validation_step`` do it there)."""
         if not self._ready:
-            if self.config.stage == 3:
+            # stage 3 without an optimizer: an evaluation-only model (inference/engine.py) when its first
+            # forward runs without autograd; with autograd the optimizer was most likely forgotten
+            if self.config.stage == 3 and (torch.is_grad_enabled() or not self._build_inference_engine()):
                 raise RuntimeError(
                     "ZeRO stage 3 partitions the model's parameters together with their optimizer, but this model was "
                     "set up without one. Call `optimizer = fabric.setup_optimizers(optimizer)` after "
                     "`fabric.setup_module(model)`, or `model, optimizer = fabric.setup(model, optimizer)`, before the "
-                    "first forward (for inference without an optimizer use zero0..zero2)."
+                    "first forward (for inference without an optimizer run the forwards under torch.no_grad())."
                 )
             self._finish()
         if self._backward_pending:
@@ -339,6 +342,12 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._zero.watch_first(kind)
         self._zero.start_step(kind)
         self._zero.set_gathering(True)
+
+    def _build_inference_engine(self) -> bool:
+        """ZeRO-Inference for a module set up without optimizers (False where it does not apply)."""
+        assert self._module is not None
+        return build_inference_engine(self._zero, self._module, device=self.root_device,
+                                      compute_dtype=self.precision.compute_dtype, global_rank=self.global_rank)
 
     def _post_forward(self, module: Module, args: Any, output: Any) -> None:
         self._zero.set_gathering(False)

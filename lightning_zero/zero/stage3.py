@@ -120,6 +120,15 @@ def _after_unit_backward(args: tuple, kwargs: dict, callback: Any) -> Optional[t
 class Stage3Engine(Stage2Engine):
     stage = 3
 
+    records_order_without_grad = False
+    """Record the prefetch order in forwards without autograd too (inference/engine.py, which has no
+    backward to learn it from); training engines learn it from the first training step only."""
+
+    def _frozen_group_kwargs(self) -> dict[str, object]:
+        """Arguments of the frozen partitions' :class:`ShardedParamGroup` ([Note: frozen parameters]):
+        one shard in the compute dtype on the device (inference/engine.py may place it in host memory)."""
+        return {"master_dtype": self.compute_dtype}
+
     # ---------------------------------------------------------------- construction
     def _build_groups(self, bucket_numel: int) -> None:
         opts = self.stage_options
@@ -152,7 +161,7 @@ class Stage3Engine(Stage2Engine):
         placed = place_param_groups(per_group, self.dp_comm, self.expert_comm)  # shard_comm.py [Note: expert ...]
         builds = [(params, self._group_kwargs(), False, comm, pi) for pi, comm, params in placed]
         if frozen:
-            builds.append((frozen, {"master_dtype": self.compute_dtype}, True, self.dp_comm, -1))
+            builds.append((frozen, self._frozen_group_kwargs(), True, self.dp_comm, -1))
         self._gather_groups = [comm.param_group for _, _, _, comm, _ in builds]
         """Flat group ``gi``'s parameter-gather group (index as in ``all_groups``)."""
         for gi, (params, kwargs, is_frozen, comm, pi) in enumerate(builds):
@@ -296,7 +305,7 @@ class Stage3Engine(Stage2Engine):
             if _in_backward():  # recomputation under activation checkpointing
                 self.gather(unit)
                 return None
-            if not self._order_frozen and torch.is_grad_enabled():
+            if not self._order_frozen and (torch.is_grad_enabled() or self.records_order_without_grad):
                 self.order.append(unit.index)
             self.running.add(unit.index)
             if self._order_frozen:

@@ -1,0 +1,218 @@
+"""Batch-1 decode speed of ``lightning_zero.inference.generate`` against the weight-bandwidth roofline and HF's
+``generate``, every figure measured in the same run (issue #31's Performance section).
+
+    python3 benchmarks/inference.py                                   # one GPU: Llama-3-8B shape, bf16
+    python3 benchmarks/inference.py --peer-compile                    # + HF static cache and torch.compile
+    python3 benchmarks/inference.py --device cpu --model llama_tiny --new-tokens 8 --dtype float32   # smoke
+    python3 benchmarks/inference.py --offload --batch 16 --new-tokens 8      # ZeRO-Inference from host memory
+
+``--offload``: the model built on the meta device in ``configure_model`` and materialised by the evaluation
+engine unit by unit into pinned host memory (``zero3_offload``, one device, ``bf16-mixed``), decoding
+``--batch`` prompts in ``predict_step``: every forward streams every unit's weights to the device once, so
+its roofline is ``batch x`` the host-to-device bandwidth (measured, pinned) / weight bytes (target: >= 0.8x;
+HF Accelerate's ``device_map="auto"`` offload, the issue's peer, is not in this script yet).
+
+Rows (random weights, ``benchmarks/presets.py`` shapes, nothing downloaded; prompt ``--prompt`` tokens):
+``roofline`` (weight bytes / the device's read bandwidth, measured by a device-to-device copy),
+``ours_<dtype>`` (``generate`` with HF's dynamic cache), ``hf_dynamic`` (HF ``generate``, greedy),
+``hf_static_compiled`` (``--peer-compile``: static cache, ``torch.compile`` of the forward), ``ours_int8`` /
+``ours_int4`` (``quantize_linears`` at group 128, the head kept: dequantize-then-matmul until the kernels
+exist, so expect them slower than bf16). Decode tokens/s = ``(n - 1) / (t(n) - t(1))``: the prompt's
+forward cancels out. Targets: ours >= 0.7x roofline and >= 1.5x hf_static_compiled; int8 >= 1.6x and int4
+>= 2.5x ours_bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import time
+from typing import Callable
+
+import torch
+
+from benchmarks.presets import llama_preset
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama_8b", help="Llama preset (benchmarks/presets.py)")
+    p.add_argument("--layers", type=int, default=None, help="override the depth")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="median of this many timings")
+    p.add_argument("--peer-compile", action="store_true", help="also HF generate with a static cache, compiled")
+    p.add_argument("--no-quant", action="store_true", help="skip the int8/int4 rows")
+    p.add_argument("--offload", action="store_true", help="ZeRO-Inference from host memory instead (see above)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per forward (--offload)")
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The preset's LlamaForCausalLM, random N(0, 0.02) weights made on the device directly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, dims = llama_preset(args.model, args.layers)
+    dims.pop("seq_len")
+    cfg = LlamaConfig(**dims, max_position_embeddings=args.prompt + args.new_tokens + 8)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)  # to_empty left its buffers unset
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def read_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second the device reads, from a copy (which reads and writes every byte)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def decode_rate(run: Callable[[int], object], n: int, repeats: int, device: torch.device) -> float:
+    """Decode tokens/s of ``run(new_tokens)``: (n - 1) / (t(n) - t(1)), medians over ``repeats``."""
+    def timed(k: int) -> float:
+        out = []
+        for _ in range(repeats):
+            sync(device)
+            t = time.perf_counter()
+            run(k)
+            sync(device)
+            out.append(time.perf_counter() - t)
+        return sorted(out)[len(out) // 2]
+
+    run(2)  # warm-up
+    span = timed(n) - timed(1)
+    return (n - 1) / span if span > 0 else float("nan")  # nan: too few tokens to time (noise won)
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second from pinned host memory to ``device`` (a host copy on a CPU-only machine)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return nbytes / sorted(times)[len(times) // 2]
+
+
+def offload_main(args: argparse.Namespace, device: torch.device) -> None:
+    """Decode under ``zero3_offload`` on one device (see the module docstring)."""
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.inference import generate
+
+    _, dims = llama_preset(args.model, args.layers)
+    dims.pop("seq_len")
+    cfg = LlamaConfig(**dims, max_position_embeddings=args.prompt + args.new_tokens + 8)
+
+    class Decode(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: torch.nn.Module | None = None
+            self.rates: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is None:  # on the meta device: materialised unit by unit into host memory
+                self.model = LlamaForCausalLM(cfg)
+
+        def predict_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+            assert self.model is not None
+            self.rates.append(decode_rate(lambda k: generate(self.model, batch[0], k), args.new_tokens, 1,
+                                          self.device))
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randint(0, cfg.vocab_size, (args.batch * args.repeats, args.prompt))),
+        batch_size=args.batch)
+    module = Decode()
+    precision = "bf16-mixed" if args.dtype == "bfloat16" else "32-true"
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, precision=precision,
+                         strategy=ZeroStrategy(stage=3, offload_params="cpu", offload_optimizer="cpu"),
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer.predict(module, data, return_predictions=False)
+    assert module.model is not None
+    weight_bytes = sum(p.numel() for p in module.model.parameters()) * torch.empty((), dtype=getattr(
+        torch, args.dtype)).element_size()
+    roofline = args.batch * h2d_bandwidth(device) / weight_bytes
+    rate = args.batch * sorted(module.rates)[len(module.rates) // 2]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"## ZeRO-Inference decode from host memory, batch {args.batch}, {args.model} ({weight_bytes / 2**30:.2f} "
+          f"GiB of {args.dtype} weights), {name}, {datetime.date.today()}\n")
+    print("| run | tokens/s | x roofline |\n| --- | --- | --- |")
+    print(f"| pcie_roofline | {roofline:.2f} | 1.00 |\n| zero3_offload | {rate:.2f} | {rate / roofline:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.offload:
+        offload_main(args, torch.device(args.device))
+        return
+    from lightning_zero.inference import generate, quantize_linears
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = build(args, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
+    mask = torch.ones_like(prompt)
+    rows: list[tuple[str, float]] = [("roofline", read_bandwidth(device) / weight_bytes)]
+    ours = lambda m: (lambda k: generate(m, prompt, k))  # noqa: E731
+    rows.append((f"ours_{args.dtype}", decode_rate(ours(model), args.new_tokens, args.repeats, device)))
+    hf = lambda k: model.generate(prompt, attention_mask=mask, max_new_tokens=k, do_sample=False)  # noqa: E731
+    rows.append(("hf_dynamic", decode_rate(hf, args.new_tokens, args.repeats, device)))
+    if args.peer_compile:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        rows.append(("hf_static_compiled", decode_rate(hf, args.new_tokens, args.repeats, device)))
+        del model.forward
+        model.generation_config.cache_implementation = None
+    if not args.no_quant:
+        for bits in (8, 4):
+            if bits == 4:
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                model = build(args, device, dtype)
+            quantize_linears(model, bits=bits, group_size=128, skip=["lm_head"])
+            rows.append((f"ours_int{bits}", decode_rate(ours(model), args.new_tokens, args.repeats, device)))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"## Decode, batch 1, {args.model} ({weight_bytes / 2**30:.2f} GiB of {args.dtype} weights), "
+          f"{name}, {datetime.date.today()}\n")
+    base = dict(rows)
+    print("| run | tokens/s | x roofline | x ours |\n| --- | --- | --- | --- |")
+    for run, rate in rows:
+        print(f"| {run} | {rate:.1f} | {rate / base['roofline']:.2f} | {rate / base[f'ours_{args.dtype}']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
