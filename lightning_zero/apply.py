@@ -4,6 +4,8 @@
 :func:`apply_zero` reads top to bottom as torchtitan's ``parallelize_llama`` does; each step needs the
 one before it:
 
+0. FP8: the chosen ``nn.Linear``s become torchao's ``Float8Linear`` (quant/fp8.py [Note: FP8 linears are
+   torchao's]), keeping their Parameters, before anything (broadcast, optimizers, engines, units) reads them.
 1. Tensor-parallel check: a module ``configure_model`` split over ``tp`` must be split consistently
    (parallel/validate.py), before anything is moved or broadcast.
 2. Expert-parallel bind: MoE layers learn their expert group before the broadcast, which sends expert
@@ -23,7 +25,7 @@ one before it:
 10. Buffer sync: buffers follow rank 0's at every step (zero/buffers.py), built last, on cast buffers.
 
 Fabric may set a module up before its optimizers exist (fabric/strategy.py [Note: set up without an
-optimizer]): it calls the three phases :func:`prepare_module` (1-3), :func:`build_engines` (5) and
+optimizer]): it calls the three phases :func:`prepare_module` (0-3), :func:`build_engines` (5) and
 :func:`finish_setup` (6-10) itself, in the same order, at the times its API allows.
 """
 
@@ -37,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
-from lightning_zero.config import OffloadConfig, QuantCommConfig, Stage3Config
+from lightning_zero.config import Fp8Config, OffloadConfig, QuantCommConfig, Stage3Config
 from lightning_zero.engines import Engines, check_optimizers_own_their_params
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
@@ -47,6 +49,7 @@ from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel.validate import check_tensor_parallel
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
+from lightning_zero.quant import fp8
 from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import compile_for_strategy
 from lightning_zero.zero.engine import ZeroEngine
@@ -88,8 +91,9 @@ def apply_zero(
 
 
 def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims, device: torch.device) -> None:
-    """Steps 1-3: on this rank's device (meta parameters stay meta: materialised later, unit by unit),
+    """Steps 0-3: fp8's Linears converted (when asked), on this rank's device (meta parameters stay meta: materialised later, unit by unit),
     with rank 0's weights and buffers; remembers the dtypes the checkpoints restore."""
+    fp8.convert(module, engines.config.piece(Fp8Config), device, str(engines.precision.precision))  # 0
     if dims.tp > 1:
         check_tensor_parallel(module, dims.tp)
     bind_expert_parallel(module, engines.config.expert_parallel, dims.ep_group)  # before the broadcast

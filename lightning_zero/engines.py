@@ -73,6 +73,11 @@ class Engines:
         """Steps skipped for a non-finite gradient (fp32/bf16; fp16's skips are its scaler's)."""
         self._nonfinite_in_a_row = 0
 
+    @property
+    def precision(self) -> ZeroPrecision:
+        """The strategy's precision plugin now."""
+        return self._precision()
+
     # ------------------------------------------------------------------ the engines
     def __iter__(self) -> Iterator[ZeroEngine]:
         return iter(list(self.by_optimizer.values()))

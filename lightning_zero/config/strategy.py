@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from lightning_zero.config.activations import ActivationConfig
 from lightning_zero.config.checkpoint import CheckpointConfig
 from lightning_zero.config.compile import COMPILE_ARGS, CompileConfig
+from lightning_zero.config.fp8 import Fp8Config
 from lightning_zero.config.inference import InferenceConfig
 from lightning_zero.config.launch import LaunchConfig
 from lightning_zero.config.offload import VALID_OFFLOAD, OffloadConfig
@@ -64,7 +65,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig,
+    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig, Fp8Config,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -77,7 +78,7 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig,
+class ZeroConfig(Fp8Config, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig,
                  ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
@@ -123,6 +124,7 @@ class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
             if self.compile:
                 raise ValueError(f"sequence_parallel={self.sequence_parallel} with compile is not built yet.")
         self._validate_zeropp()
+        self._validate_fp8()
         if self.expert_parallel > 1 and self.offloads:
             raise ValueError(f"expert_parallel={self.expert_parallel} with offload_optimizer/offload_params is not built yet.")
         OffloadConfig.validate_choices(self)
@@ -158,6 +160,17 @@ class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
         for name in ("offload_optimizer", "offload_params"):
             if getattr(self, name) != "none":
                 raise ValueError(f"{what} with {name}={getattr(self, name)!r} is not built yet.")
+
+    def _validate_fp8(self) -> None:
+        """FP8 linears (config/fp8.py) are built for data parallelism under stages 0-3."""
+        recipe = Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8  # normalised
+        if recipe is None:
+            return
+        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
+                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
+        for name, value in others.items():
+            if value > 1:
+                raise ValueError(f"fp8={recipe!r} with {name}={value} is not built yet.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ZeroConfig":

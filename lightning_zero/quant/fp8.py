@@ -1,0 +1,155 @@
+"""FP8 linears under every ZeRO stage: the model's ``nn.Linear``s swapped for torchao's ``Float8Linear``.
+
+[Note: FP8 linears are torchao's]
+torchao's float8 training (``convert_to_float8_training``) is the maintained recipe: dynamic scaling per
+tensor or per row, e4m3 forward and e5m2 (or e4m3) gradients, ``torch._scaled_mm`` on GPUs with fp8, and a
+``torch.compile``-friendly casting path that fuses the amax and the cast (what makes fp8 faster; without
+compile the casts cost more than the GEMM saves). We use it as it is, an optional extra
+(``pip install 'lightning_zero[fp8]'``); nothing of the fp8 math is our own. Ours is only the glue: which
+Linears (config/fp8.py: a name filter, the first and last kept in bf16), the refusals that would otherwise
+surface as a cryptic error mid-step (no fp8 on the GPU, dims not divisible by 16, a precision that is not
+bf16-mixed, a Linear quantized already), the log of what was converted, and the place in the setup.
+
+Why it composes with ZeRO without more code: ``Float8Linear.from_float`` keeps the Linear's own ``weight``
+and ``bias`` Parameters (the same objects, so the same values and the same state-dict names: checkpoints of
+an fp8 run load into a plain model and back), and the conversion runs before the optimizers and engines are
+built (apply.py, step 0), so the optimizer, the flat buffers of stages 1-2 and the units of stage 3 see the
+converted modules' parameters. Each engine keeps its weights in the compute dtype (bf16) and fp32 masters;
+``Float8Linear`` casts the bf16 weight to float8 at each forward (stage 3: the gathered weight), so the
+all-gathers stay in bf16 (torchao's fp8 all-gather is FSDP2's, not ours: a later step).
+
+The conversion is idempotent: Lightning runs the setup again for validate/test/predict on the same module,
+so a ``Float8Linear`` this module made (marked ``_lightning_zero_fp8``) is kept as it is; any other is the
+user's and is refused (two owners of one conversion train differently from what either asked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lightning_zero.config.fp8 import Fp8Config
+
+MARK = "_lightning_zero_fp8"
+"""Attribute set on the ``Float8Linear``s this module made (the recipe's name)."""
+
+
+@dataclasses.dataclass
+class Fp8Plan:
+    """Which Linears compute in float8 and which stay in the compute dtype, by fully qualified name."""
+
+    recipe: str
+    converted: list[str]
+    kept: list[str]
+    emulate: bool
+
+    def message(self) -> str:
+        kept = ", ".join(self.kept) if self.kept else "none"
+        how = " (emulated: float8 casts, matmuls in higher precision)" if self.emulate else ""
+        return (f"fp8={self.recipe!r}{how}: {len(self.converted)} Linear(s) compute in float8, "
+                f"{len(self.kept)} kept in bf16: {kept}")
+
+
+def torchao_float8() -> SimpleNamespace:
+    """The three names of torchao's float8 training we use, or a one-line error naming the extra."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("fp8=... needs torchao's float8 training: pip install 'lightning_zero[fp8]' "
+                          f"(torchao>=0.14) ({e}).") from None
+    return SimpleNamespace(Float8Linear=Float8Linear, Float8LinearConfig=Float8LinearConfig,
+                           convert_to_float8_training=convert_to_float8_training)
+
+
+def check_device(device: torch.device, emulate: bool) -> None:
+    """Refuse a device without fp8 matmuls unless emulating."""
+    if emulate:
+        return
+    if device.type != "cuda":
+        raise RuntimeError(f"fp8 matmuls need a CUDA GPU with compute capability >= 8.9 (got device {device}); "
+                           "fp8_emulate=True runs fp8's numerics without them (no speedup).")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        raise RuntimeError(f"fp8 needs a GPU with compute capability >= 8.9 (Ada, Hopper, Blackwell); "
+                           f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}.")
+
+
+def check_precision(precision: str) -> None:
+    if precision != "bf16-mixed":
+        raise ValueError(f"fp8 needs precision='bf16-mixed' (bf16 weights and activations around the float8 "
+                         f"matmuls, fp32 masters), got {precision!r}.")
+
+
+def plan(module: nn.Module, config: Fp8Config) -> Fp8Plan:
+    """Which Linears to convert (raising for those that cannot be): every ``nn.Linear`` but the first and last
+    (``fp8_keep_first_last``) and those whose name contains an ``fp8_filter`` substring."""
+    float8 = torchao_float8()
+    assert config.fp8 is not None
+    linears: list[tuple[str, nn.Linear]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, float8.Float8Linear) and getattr(m, MARK, None) is None:
+            raise ValueError(f"fp8: Linear {name!r} is a Float8Linear already (converted outside the strategy): "
+                             "pass the plain model and let ZeroStrategy(fp8=...) convert it.")
+        if isinstance(m, nn.Linear):
+            if not _plain_weight(m.weight):
+                raise ValueError(f"fp8: Linear {name!r} is quantized already ({type(m.weight).__name__}, "
+                                 f"{m.weight.dtype}); fp8 converts plain Linears only.")
+            linears.append((name, m))
+    if not linears:
+        raise ValueError("fp8=... found no nn.Linear in the model: nothing would compute in float8.")
+    ends = {linears[0][0], linears[-1][0]} if config.fp8_keep_first_last else set()
+    filters = config.fp8_filter or []
+    converted, kept = [], []
+    for name, m in linears:
+        (kept if name in ends or any(f in name for f in filters) else converted).append(name)
+    odd = [f"{n} ({m.in_features}x{m.out_features})" for n, m in linears
+           if n in converted and (m.in_features % 16 or m.out_features % 16)]
+    if odd:
+        raise ValueError(f"fp8 needs both dims of a float8 Linear divisible by 16; not so for {', '.join(odd)}: "
+                         "keep them in bf16 with fp8_filter=[...].")
+    if not converted:
+        raise ValueError(f"fp8={config.fp8!r} would convert no Linear (all {len(kept)} kept by fp8_keep_first_last "
+                         "and fp8_filter).")
+    return Fp8Plan(config.fp8, converted, kept, config.fp8_emulate)
+
+
+def linear_config(recipe: str, emulate: bool) -> Any:
+    """torchao's ``Float8LinearConfig`` of a recipe name, emulated or not."""
+    cfg = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(cfg, emulate=emulate) if emulate else cfg
+
+
+def convert(module: nn.Module, config: Fp8Config, device: torch.device, precision: str,
+            info: Callable[[str], None] = rank_zero_info) -> Optional[Fp8Plan]:
+    """Swap the planned Linears of ``module`` for ``Float8Linear`` (same Parameters); None when fp8 is off.
+    Raises one line for what cannot train in fp8 here; logs which Linears were converted and which kept."""
+    if config.fp8 is None:
+        return None
+    check_precision(precision)
+    check_device(device, config.fp8_emulate)
+    p = plan(module, config)
+    todo = set(p.converted)
+    float8 = torchao_float8()
+    fresh = [n for n, m in module.named_modules() if n in todo and not isinstance(m, float8.Float8Linear)]
+    if fresh:
+        float8.convert_to_float8_training(module, config=linear_config(p.recipe, p.emulate),
+                                          module_filter_fn=lambda m, fqn: fqn in todo)
+        for name, m in module.named_modules():
+            if name in todo:
+                setattr(m, MARK, p.recipe)
+        info(p.message())
+    return p
+
+
+def _plain_weight(w: torch.Tensor) -> bool:
+    """A floating-point weight that is a plain tensor (or a tensor-parallel DTensor), not a quantized subclass."""
+    if not w.is_floating_point():
+        return False
+    data = w.data
+    return type(data) is torch.Tensor or type(data).__name__ == "DTensor"
