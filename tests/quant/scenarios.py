@@ -85,3 +85,11 @@ def zeropp(ctx: ScenarioContext) -> None:
     from tests.quant.zeropp_runs import run_all
 
     run_all(ctx.params["runs"], str(ctx.out))
+
+
+@scenario("quant.fp8")
+def fp8(ctx: ScenarioContext) -> None:
+    """``runs``: ``{name: "zeroK[:fp8=..,save=1,load=..]"}`` (tests/quant/fp8_runs.py); rank 0 writes OUT/<name>.pt."""
+    from tests.quant.fp8_runs import run_all
+
+    run_all(ctx.params["runs"], str(ctx.out))

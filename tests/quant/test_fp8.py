@@ -1,0 +1,211 @@
+"""FP8 linears (issue #33 item 1), one process: the converted Linear's forward and backward against a pure-torch
+float8 quantize-dequantize reference, what the conversion keeps (the user's Parameters, the state-dict names
+and values, in both directions), which Linears it picks, and the one-line refusals.
+
+[Note: the bounds of the numerics test]
+torchao's emulated float8 (``emulate=True``: what runs on CPU) casts exactly as on a GPU and multiplies the
+dequantized operands in fp32 (torchao/float8/float8_ops.py), returning bf16. The reference below does the same
+with its own code: per-tensor scale ``fmax / amax`` (in float64, then fp32; rowwise: per row, rounded down to a
+power of two), clamp, cast to ``float8_e4m3fn`` (``e5m2`` for tensorwise's output gradient), divide back,
+fp32 matmul. The two must agree to bf16's rounding of the output (2**-8 relative; 2**-7 allowed for the
+matmul's summation order), and both must differ from the bf16 matmul by what float8 loses: e4m3 keeps 3
+mantissa bits (a relative error up to 2**-4 per operand, so about 0.13 per product at worst, far less on
+average): each result within 0.15 of ``|x| @ |w|^T`` of the exact one, and not equal to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_zero.config import Fp8Config, ZeroConfig
+from lightning_zero.quant import fp8
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def qdq(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, pow2: bool = False) -> torch.Tensor:
+    """``t`` cast to float8 with a dynamic scale (one per tensor, or per slice along ``dim``) and back, in fp32."""
+    fmax = torch.finfo(dtype).max
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = (fmax / amax.double().clamp(min=1e-12)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (t.float() * scale).clamp(-fmax, fmax).to(dtype).float() / scale
+
+
+def _cfg(recipe: str = "tensorwise", **kw: object) -> Fp8Config:
+    return Fp8Config(fp8=recipe, fp8_emulate=True, **kw)
+
+
+def _pair(recipe: str, seed: int = 0) -> tuple[nn.Linear, nn.Module]:
+    """A bf16 Linear (64 -> 48) and its fp8 copy (same values), converted by quant/fp8.py's own path."""
+    torch.manual_seed(seed)
+    plain = nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    holder = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 48), nn.Linear(48, 16)).to(torch.bfloat16)
+    holder[1].load_state_dict(plain.state_dict())
+    fp8.convert(holder, _cfg(recipe), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
+    assert type(holder[1]).__name__ == "Float8Linear"
+    return plain, holder[1]
+
+
+def _inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(8, 64, generator=g) * torch.logspace(-1, 1, 64)).to(torch.bfloat16)  # uneven columns
+    go = torch.randn(8, 48, generator=g).to(torch.bfloat16)
+    return x, go
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, rel: float = 2**-7) -> bool:
+    return bool(((got.float() - ref.float()).abs() <= rel * ref.float().abs() + 1e-6).all())
+
+
+def test_tensorwise_forward_and_backward_match_the_reference() -> None:
+    plain, f8 = _pair("tensorwise")
+    x, go = _inputs()
+    xa = x.clone().requires_grad_(True)
+    y = f8(xa)
+    y.backward(go)
+    w = plain.weight.detach()
+    y_ref = (qdq(x, E4M3) @ qdq(w, E4M3).t()).to(torch.bfloat16) + plain.bias.detach()  # bias added in bf16
+    gx_ref = qdq(go, E5M2) @ qdq(w, E4M3)
+    gw_ref = qdq(go, E5M2).t() @ qdq(x, E4M3)
+    assert y.dtype == torch.bfloat16 and _close(y, y_ref)
+    assert _close(xa.grad, gx_ref.to(torch.bfloat16)) and _close(f8.weight.grad, gw_ref.to(torch.bfloat16))
+    assert torch.equal(f8.bias.grad, go.float().sum(0).to(torch.bfloat16))  # the bias is outside the fp8 GEMM
+    # against the bf16 matmul: changed (fp8 happened), within what e4m3 loses per product
+    y_hp = x.float() @ w.float().t() + plain.bias.float()
+    bound = 0.15 * (x.float().abs() @ w.float().abs().t())
+    assert not torch.equal(y.float(), y_hp.to(torch.bfloat16).float())
+    assert bool(((y.float() - y_hp).abs() <= bound + 1e-2).all())
+
+
+def test_rowwise_forward_matches_the_reference_and_backward_stays_within_fp8s_loss() -> None:
+    plain, f8 = _pair("rowwise")
+    x, go = _inputs(2)
+    xa = x.clone().requires_grad_(True)
+    y = f8(xa)
+    y.backward(go)
+    w = plain.weight.detach()
+    y_ref = (qdq(x, E4M3, dim=-1, pow2=True) @ qdq(w, E4M3, dim=-1, pow2=True).t()).to(torch.bfloat16)
+    assert _close(y, y_ref + plain.bias.detach())
+    gx_hp, gw_hp = go.float() @ w.float(), go.float().t() @ x.float()
+    for got, hp, scale in ((xa.grad, gx_hp, go.float().abs() @ w.float().abs()),
+                           (f8.weight.grad, gw_hp, go.float().abs().t() @ x.float().abs())):
+        assert not torch.equal(got.float(), hp.to(torch.bfloat16).float())
+        assert bool(((got.float() - hp).abs() <= 0.15 * scale + 1e-2).all())
+
+
+def test_conversion_keeps_the_parameters_and_the_state_dict_both_ways() -> None:
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=16, tie_weights=False)
+    torch.manual_seed(0)
+    net = GPT(cfg)
+    before = {n: p for n, p in net.named_parameters()}
+    sd = {k: v.clone() for k, v in net.state_dict().items()}
+    plan = fp8.convert(net, _cfg(), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
+    assert plan is not None and len(plan.converted) == 7 and plan.kept == ["blocks.0.attn.qkv", "lm_head"]
+    after = dict(net.named_parameters())
+    assert list(after) == list(before) and all(after[n] is before[n] for n in before)  # the same objects
+    assert list(net.state_dict()) == list(sd) and all(torch.equal(net.state_dict()[k], sd[k]) for k in sd)
+    plain = GPT(cfg)  # other values: an fp8 model's state dict loads into a plain one, strictly...
+    plain.load_state_dict(net.state_dict())
+    assert all(torch.equal(plain.state_dict()[k], sd[k]) for k in sd)
+    torch.manual_seed(5)
+    other = GPT(cfg)
+    net.load_state_dict(other.state_dict())  # ...and a plain one's into the fp8 model
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in other.state_dict().items())
+
+
+def test_filter_names_first_last_and_idempotence(caplog: pytest.LogCaptureFixture) -> None:
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
+    msgs: list[str] = []
+    plan = fp8.convert(net, _cfg(fp8_filter="2"), torch.device("cpu"), "bf16-mixed", info=msgs.append)
+    assert plan is not None and plan.converted == ["1", "3"] and plan.kept == ["0", "2", "4"]
+    assert msgs == ["fp8='tensorwise' (emulated: float8 casts, matmuls in higher precision): 2 Linear(s) compute "
+                    "in float8, 3 kept in bf16: 0, 2, 4"]
+    converted = [net[1], net[3]]
+    again = fp8.convert(net, _cfg(fp8_filter="2"), torch.device("cpu"), "bf16-mixed", info=msgs.append)
+    assert again == plan and [net[1], net[3]] == converted and len(msgs) == 1  # a second setup: left as it is
+    every = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)])
+    fp8.convert(every, _cfg(fp8_keep_first_last=False), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
+    assert all(type(m).__name__ == "Float8Linear" for m in every)
+
+
+def test_refusals_say_why_in_one_line() -> None:
+    cpu = torch.device("cpu")
+    net = lambda: nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))  # noqa: E731
+    with pytest.raises(ValueError, match="needs precision='bf16-mixed'"):
+        fp8.convert(net(), _cfg(), cpu, "32-true")
+    with pytest.raises(ValueError, match="needs precision='bf16-mixed'"):
+        fp8.convert(net(), _cfg(), cpu, "16-mixed")
+    with pytest.raises(RuntimeError, match="compute capability >= 8.9.*fp8_emulate=True"):
+        fp8.convert(net(), Fp8Config(fp8="tensorwise"), cpu, "bf16-mixed")
+    odd = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 40), nn.Linear(40, 32))
+    odd.insert(2, nn.Linear(40, 40))
+    with pytest.raises(ValueError, match=r"divisible by 16; not so for 1 \(32x40\), 2 \(40x40\).*fp8_filter"):
+        fp8.convert(odd, _cfg(), cpu, "bf16-mixed")
+    done = net()
+    fp8.convert(done, _cfg(fp8_keep_first_last=False), cpu, "bf16-mixed", info=lambda m: None)
+    for m in done:
+        delattr(m, fp8.MARK)  # as if the user had converted it with torchao
+    with pytest.raises(ValueError, match="Float8Linear already"):
+        fp8.convert(done, _cfg(), cpu, "bf16-mixed")
+    quantized = net()
+    quantized[1].weight = nn.Parameter(torch.zeros(32, 32, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match="'1' is quantized already"):
+        fp8.convert(quantized, _cfg(), cpu, "bf16-mixed")
+    with pytest.raises(ValueError, match="would convert no Linear"):
+        fp8.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), _cfg(), cpu, "bf16-mixed")
+    assert fp8.convert(net(), Fp8Config(), cpu, "32-true") is None  # off: nothing checked, nothing done
+
+
+def test_config_validates_and_refuses_what_is_not_built() -> None:
+    assert Fp8Config(fp8="RowWise").fp8 == "rowwise" and Fp8Config(fp8="none").fp8 is None
+    assert Fp8Config(fp8_filter="head").fp8_filter == ["head"] and Fp8Config(fp8_filter=[]).fp8_filter is None
+    with pytest.raises(ValueError, match=r"fp8 must be None or one of \['tensorwise', 'rowwise'\]"):
+        Fp8Config(fp8="e4m3")
+    with pytest.raises(ValueError, match="fp8_filter must be a list"):
+        Fp8Config(fp8="tensorwise", fp8_filter=[3])
+    with pytest.raises(ValueError, match="fp8_emulate must be True or False"):
+        Fp8Config(fp8_emulate="yes")
+    for name in ("tensor_parallel", "pipeline_stages", "expert_parallel", "sequence_parallel"):
+        extra = {"stage": 1} if name == "pipeline_stages" else {}
+        with pytest.raises(ValueError, match=f"fp8='tensorwise' with {name}=2 is not built yet"):
+            ZeroConfig(fp8="tensorwise", **{name: 2}, **extra)
+    assert ZeroConfig(stage=3, fp8="rowwise").piece(Fp8Config).fp8 == "rowwise"
+
+
+def test_the_strategy_refuses_fp32_at_setup() -> None:
+    """Through the real front door (Fabric, one process): the precision check runs where the module is set up."""
+    from lightning.fabric import Fabric
+
+    import lightning_zero
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true",
+                    strategy=lightning_zero.ZeroFabricStrategy(stage=2, fp8="tensorwise", fp8_emulate=True))
+    fabric.launch()
+    with pytest.raises(ValueError, match="fp8 needs precision='bf16-mixed'"):
+        fabric.setup(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with compute capability >= 8.9")
+def test_real_float8_on_the_gpu_matches_the_reference() -> None:
+    """On a GPU with fp8, the ``torch._scaled_mm`` path (not emulated) against the reference."""
+    dev = torch.device("cuda")
+    holder = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 48), nn.Linear(48, 16)).to(dev, torch.bfloat16)
+    w = holder[1].weight.detach().clone()
+    fp8.convert(holder, Fp8Config(fp8="tensorwise"), dev, "bf16-mixed", info=lambda m: None)
+    x, go = (t.to(dev) for t in _inputs())
+    y = holder[1](x.clone().requires_grad_(True))
+    y_ref = (qdq(x, E4M3) @ qdq(w, E4M3).t()).to(torch.bfloat16) + holder[1].bias.detach()
+    assert _close(y, y_ref, rel=2**-6)
