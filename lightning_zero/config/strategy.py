@@ -1,8 +1,8 @@
 """Typed configuration of ZeroStrategy: the one place where its defaults are written.
 
 Each concern is a dataclass of its own that validates itself (``config/stage3.py``, ``offload.py``,
-``step.py``, ``checkpoint.py``, ``activations.py``, ``compile.py``, ``parallel.py``, ``launch.py``), and
-:class:`ZeroConfig` is all of them at once: its flat fields are theirs (inherited, not restated), so
+``step.py``, ``checkpoint.py``, ``activations.py``, ``compile.py``, ``parallel.py``, ``launch.py``,
+``fp8.py``, ...), and :class:`ZeroConfig` is all of them at once: its flat fields are theirs (inherited, not restated), so
 ``ZeroStrategy(stage=3, prefetch_units=2)``, the registered presets, Hydra's ``conf/strategy/*.yaml``
 and ``strategy.<name>=`` overrides all name options as before, while the engines take only their own
 typed piece (``config.piece(Stage3Config)``). Hydra's ``conf/strategy/*.yaml`` files, the registered

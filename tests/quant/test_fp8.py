@@ -124,7 +124,7 @@ def test_conversion_keeps_the_parameters_and_the_state_dict_both_ways() -> None:
     assert all(torch.equal(net.state_dict()[k], v) for k, v in other.state_dict().items())
 
 
-def test_filter_names_first_last_and_idempotence(caplog: pytest.LogCaptureFixture) -> None:
+def test_filter_names_first_last_and_idempotence() -> None:
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(5)])
     msgs: list[str] = []
     plan = fp8.convert(net, _cfg(fp8_filter="2"), torch.device("cpu"), "bf16-mixed", info=msgs.append)
@@ -209,3 +209,61 @@ def test_real_float8_on_the_gpu_matches_the_reference() -> None:
     y = holder[1](x.clone().requires_grad_(True))
     y_ref = (qdq(x, E4M3) @ qdq(w, E4M3).t()).to(torch.bfloat16) + holder[1].bias.detach()
     assert _close(y, y_ref, rel=2**-6)
+
+
+def test_a_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(RuntimeError, match=r"compute capability >= 8.9 .*NVIDIA A100 has 8.0"):
+        fp8.check_device(torch.device("cuda", 0), emulate=False)
+    fp8.check_device(torch.device("cuda", 0), emulate=True)  # emulated: any device
+
+
+def test_hydra_override_and_the_trainer_front_door(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``strategy.fp8=...`` composes into the strategy; under the Trainer the model is converted at setup, trains,
+    and a validate after fit (Lightning sets the strategy up again) keeps the same Float8Linears."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    import lightning.pytorch as pl
+
+    root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "examples"))
+    import train  # noqa: F401  (registers the schemas)
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf")):
+        cfg = compose(config_name="config", overrides=[f"run_dir={tmp_path}", "strategy=zero2", "strategy.fp8=rowwise",
+                                                       "strategy.fp8_filter=[head]", "strategy.fp8_emulate=true"])
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert (strategy.config.fp8, strategy.config.fp8_filter, strategy.config.fp8_emulate) == ("rowwise", ["head"], True)
+
+    class Net(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+
+        def training_step(self, batch: torch.Tensor, idx: int) -> torch.Tensor:
+            return self.body(batch).float().pow(2).mean()
+
+        def validation_step(self, batch: torch.Tensor, idx: int) -> None:
+            self.log("val", self.body(batch).float().pow(2).mean())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    import lightning_zero
+
+    data = torch.utils.data.DataLoader(torch.randn(8, 16), batch_size=4)
+    net = Net()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         strategy=lightning_zero.ZeroStrategy(stage=2, fp8="tensorwise", fp8_emulate=True))
+    before = net.body[1].weight.detach().clone()
+    with caplog.at_level(logging.INFO):
+        trainer.fit(net, data, data)
+    assert "2 Linear(s) compute in float8, 2 kept in bf16: body.0, body.3" in caplog.text  # visible in the log
+    converted = [type(m).__name__ for m in net.body]
+    assert converted == ["Linear", "Float8Linear", "Float8Linear", "Linear"]
+    assert not torch.equal(net.body[1].weight.detach().float(), before.float())  # it trained
+    mods = list(net.body)
+    trainer.validate(net, data)
+    assert list(net.body) == mods
