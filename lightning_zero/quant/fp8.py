@@ -113,6 +113,11 @@ def plan(module: nn.Module, config: Fp8Config) -> Fp8Plan:
     if odd:
         raise ValueError(f"fp8 needs both dims of a float8 Linear divisible by 16; not so for {', '.join(odd)}: "
                          "keep them in bf16 with fp8_filter=[...].")
+    held = [f"{n} ({what})" for n, m in linears if n in converted and not isinstance(m, float8.Float8Linear)
+            for what in [_attachments(m)] if what]
+    if held:
+        raise ValueError(f"fp8 would drop what is attached to {', '.join(held)} (Float8Linear is a new module "
+                         "holding the same Parameters): keep them in bf16 with fp8_filter=[...].")
     if not converted:
         raise ValueError(f"fp8={config.fp8!r} would convert no Linear (all {len(kept)} kept by fp8_keep_first_last "
                          "and fp8_filter).")
@@ -153,3 +158,15 @@ def _plain_weight(w: torch.Tensor) -> bool:
         return False
     data = w.data
     return type(data) is torch.Tensor or type(data).__name__ == "DTensor"
+
+
+def _attachments(m: nn.Module) -> str:
+    """What a swap for a new module would silently lose: hooks registered on the Linear, parametrizations
+    (weight norm: ``weight`` is computed, not a Parameter)."""
+    from torch.nn.utils import parametrize
+
+    names = [h.strip("_") for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+             if getattr(m, h, None)]
+    if parametrize.is_parametrized(m):
+        names.append("parametrizations")
+    return ", ".join(names)

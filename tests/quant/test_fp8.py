@@ -162,6 +162,11 @@ def test_refusals_say_why_in_one_line() -> None:
     quantized[1].weight = nn.Parameter(torch.zeros(32, 32, dtype=torch.int8), requires_grad=False)
     with pytest.raises(ValueError, match="'1' is quantized already"):
         fp8.convert(quantized, _cfg(), cpu, "bf16-mixed")
+    hooked = net()
+    hooked[1].register_forward_hook(lambda mod, args, out: out)
+    torch.nn.utils.parametrizations.weight_norm(hooked[2])
+    with pytest.raises(ValueError, match=r"would drop what is attached to 1 \(forward_hooks\), 2 \(parametrizations\)"):
+        fp8.convert(hooked, _cfg(fp8_keep_first_last=False), cpu, "bf16-mixed")
     with pytest.raises(ValueError, match="would convert no Linear"):
         fp8.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), _cfg(), cpu, "bf16-mixed")
     assert fp8.convert(net(), Fp8Config(), cpu, "32-true") is None  # off: nothing checked, nothing done
@@ -267,3 +272,35 @@ def test_hydra_override_and_the_trainer_front_door(tmp_path: Path, caplog: pytes
     mods = list(net.body)
     trainer.validate(net, data)
     assert list(net.body) == mods
+
+
+def test_fp8_composes_with_compile_under_stage3() -> None:
+    """``compile=True`` traces the units' Float8Linears whole (``fullgraph=True``; aot_eager: the graph
+    without inductor's compile time, CI is CPU) and trains as the eager fp8 run does."""
+    from gpt import GPT, GPTConfig
+    from lightning.fabric import Fabric
+
+    import lightning_zero
+
+    losses = {}
+    for compiled in (False, True):
+        opts = {"compile": True, "compile_options": {"backend": "aot_eager", "fullgraph": True}} if compiled else {}
+        strategy = lightning_zero.ZeroFabricStrategy(stage=3, fp8="tensorwise", fp8_emulate=True,
+                                                     param_persistence_threshold=0, **opts)
+        fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed")
+        fabric.launch()
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=16))
+        net, opt = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+        torch._dynamo.utils.counters.clear()
+        losses[compiled] = []
+        for _ in range(3):  # stage 3 runs the first batch eagerly (zero/compile.py [Note: first batches run eagerly])
+            loss = torch.nn.functional.cross_entropy(net(x[:, :-1]).reshape(-1, 64).float(), x[:, 1:].reshape(-1))
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(float(loss))
+        captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
+        assert (captured > 0) == compiled
+    assert max(abs(a - b) / b for a, b in zip(losses[True], losses[False])) <= 1e-3, losses
