@@ -4,8 +4,8 @@ zero1/zero2/zero3 on gloo, by a Fabric loop in bf16-mixed.
 
 ``runs``: ``{NAME: "zeroK[:key=value,...]"}``, run in order; keys ``fp8`` (a recipe), ``save=1`` (write a
 Fabric checkpoint ``OUT/NAME_ckpt`` after the last step), ``load=OTHER`` (load OTHER's checkpoint, model
-only, right after setup, and train no step), ``precision`` (default ``bf16-mixed``). Every run starts from the same weights and sees the same batches
-(each rank its rows of a global batch), with AdamW. Rank 0 writes ``OUT/NAME.pt``: the global loss of each
+only, right after setup, and train no step), ``precision`` (default ``bf16-mixed``). Every run starts from
+the same weights and sees the same batches (each rank its rows of a global batch), with AdamW. Rank 0 writes ``OUT/NAME.pt``: the global loss of each
 step, the full state dict at the end (fp32 copies), the class names of the Linears after setup, and the
 Linear weights' ``id``s before and after setup compared (the conversion kept the user's Parameters).
 """

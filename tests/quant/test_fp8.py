@@ -274,7 +274,8 @@ def test_hydra_override_and_the_trainer_front_door(tmp_path: Path, caplog: pytes
     assert list(net.body) == mods
 
 
-def _fit(accelerator: str = "cpu", precision: str = "bf16-mixed", steps: int = 3, **strategy: object) -> tuple[list[float], int]:
+def _fit(accelerator: str = "cpu", precision: str = "bf16-mixed", steps: int = 3,
+         **strategy: object) -> tuple[list[float], int]:
     """The example GPT under ZeroFabricStrategy(**strategy) on one device: the losses of ``steps`` AdamW steps on
     one batch, and the calls dynamo captured."""
     from gpt import GPT, GPTConfig
