@@ -8,9 +8,10 @@ operations with the same counter-based random bits (reference_lowp.py [Note: bit
 [Note: stochastic rounding bits]), so a bf16 state steps to the same bits on the CPU, in the host op and
 on the device, whatever the chunking, and the reference is the oracle of all three. Here the reference
 itself runs on the device tensors, over chunks of ``CHUNK`` elements, so its int64 and float64
-temporaries stay bounded (about 10 words per element of a chunk). It is plain torch: CI runs it on
-the CPU; on a GPU it is correct but not fast (some 40 elementwise kernels per chunk where a fused
-kernel would make one pass), the next piece to build for speed.
+temporaries stay bounded (about 10 words per element of a chunk): plain torch, what CI runs on the CPU.
+On a CUDA device with Triton installed the step is one fused kernel instead (triton_bf16_adam.py
+[Note: a fused kernel that equals the reference]), bit for bit the same; the reference on a GPU is
+correct but slow (some 40 elementwise kernels per chunk where the fused kernel makes one pass).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from lightning_zero.offload.cpu import AdamHyper
 from lightning_zero.optim.reference_lowp import adam_bf16_reference
+from lightning_zero.optim.triton_bf16_adam import triton_bf16_adam_step, use_triton
 
 CHUNK = 1 << 20
 """Elements per call of the reference on the CPU (temporaries ~80 MB); 4x that on an accelerator."""
@@ -36,6 +38,10 @@ def bf16_adam_step(master: Tensor, comp: Optional[Tensor], grad: Tensor, exp_avg
     for t in (grad, exp_avg, exp_avg_sq) + (() if comp is None else (comp,)):
         if t.numel() != n:
             raise ValueError(f"bf16_adam_step: a tensor of {t.numel()} elements for a master of {n}")
+    if use_triton(master):  # one fused pass (triton_bf16_adam.py)
+        triton_bf16_adam_step(master, comp, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper,
+                              grad_scale=grad_scale, seed=seed, offset=offset)
+        return
     chunk = CHUNK if master.device.type == "cpu" else 4 * CHUNK
     h = dict(step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, eps=hyper.eps,
              weight_decay=hyper.weight_decay, adamw_mode=hyper.adamw_mode, grad_scale=grad_scale, seed=seed)
