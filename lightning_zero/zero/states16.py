@@ -128,9 +128,9 @@ class DeviceStates16:
                 ranges = plan.ranges
             for lo, hi, count in ranges:
                 self._step_range(gi, fg, st, grad, lo, hi, count, hyper, 1.0 / coef)
-        from lightning_zero.offload.engine import note_optimizer_step  # (offload imports zero: no cycle at import)
-
-        note_optimizer_step(opt)  # offload/engine.py [Note: the LR scheduler sees the CPU step]
+        # what optimizer.step() would have recorded for LR schedulers (offload/engine.py [Note: the LR
+        # scheduler sees the CPU step]; that module imports this one, so the flag is set here)
+        setattr(opt, "_opt_called", True)
 
     def _step_range(self, gi: int, fg: Any, st: dict, grad: Tensor, lo: int, hi: int, count: int, hyper: AdamHyper,
                     grad_scale: float) -> None:
