@@ -22,8 +22,9 @@ How it is built: the engine builds its groups as always (fp32 masters filled fro
 then :class:`DeviceStates16` converts each master once: the bf16 master is the fp32 value rounded to
 nearest (stage 3: the 16-bit partition, which already holds exactly that), the Kahan word the remainder,
 and the fp32 master is freed. The gradient shard stays fp32 (``grad_dtype``): reduced gradients are
-accumulated over micro-batches exactly as with fp32 states; the step reads them with the unscale and
-clip coefficient folded into its ``grad_scale`` (no pass over the gradients).
+accumulated over micro-batches exactly as with fp32 states; ``grad_shard_precision='bf16'`` halves it
+(the reduction already runs in bf16, so only accumulation rounds differently). The step reads the
+gradients with the unscale and clip coefficient folded into its ``grad_scale`` (no pass over them).
 
 The state lives in ``optimizer.state[master]`` under torch's names (``step``, ``exp_avg``, ``exp_avg_sq``,
 and ``master_comp`` for Kahan), so checkpoints save it as it is, per parameter, in bf16; LR schedulers
@@ -68,6 +69,8 @@ class DeviceStates16:
         self.optimizer = optimizer
         self.groups = groups
         self.pg_of = list(pg_of)
+        self.grad_dtype = torch.bfloat16 if cfg.grad_shard_precision == "bf16" else torch.float32
+        """dtype of the reduced-gradient shards (``grad_shard_precision``)."""
         name = type(optimizer).__name__
         if not all(adam_hyper(optimizer, pg) is not None for pg in optimizer.param_groups):
             raise ValueError(f"state_precision={self.precision!r} steps Adam/AdamW only (torch.optim.Adam/AdamW, "
@@ -80,7 +83,8 @@ class DeviceStates16:
         rank_zero_info(
             f"lightning_zero: ZeRO-{stage} keeps master weights and Adam moments in {self.precision} on the device "
             f"({BYTES_PER_PARAM[self.precision]} bytes per parameter of each rank's partition instead of 12; "
-            f"{'stochastic rounding' if not self.kahan else 'a Kahan compensation word; moments stochastically rounded'})."
+            f"{'stochastic rounding' if not self.kahan else 'a Kahan compensation word; moments stochastically rounded'}"
+            f"); reduced gradients in {cfg.grad_shard_precision}."
         )
 
     # ---------------------------------------------------------------- construction
@@ -92,7 +96,7 @@ class DeviceStates16:
             high = master32.to(torch.bfloat16)
         else:
             fg.shard16 = None  # the master is the gather source now (sharded_group.py gather_source)
-        fg.grad_dtype = master32.dtype  # reduced gradients stay fp32 (module docstring)
+        fg.grad_dtype = self.grad_dtype  # module docstring
         if self.kahan:
             self.optimizer.state[high] = {COMP_KEY: (master32 - high.to(torch.float32)).to(torch.bfloat16)}
         fg.master = high

@@ -5,7 +5,8 @@ Spec ``KIND:key=value,...``; keys: stage, sp (state_precision), every (ParityNet
 (checkpoint_format), from (a run name whose epoch-0 checkpoint this run resumes), n (ParityNet's n_train:
 n / 8 steps in two epochs), val (validation batches per epoch; a checkpoint saved at a train epoch end of
 a run without validation resumes one micro-batch out of step with its accumulation window, under Lightning's
-own ddp too: the checkpoint runs validate), precision (default bf16-mixed). Kinds:
+own ddp too: the checkpoint runs validate), precision (default bf16-mixed), gs (grad_shard_precision), acc
+(accumulate_grad_batches, default 2). Kinds:
 
 - ``train``: 6 optimizer steps (accumulation 2, clipping, ParityNet's LR schedule), recording the bytes of
   this rank's partition by storage and, for 16-bit states, :class:`Oracle`'s step-by-step comparison;
@@ -130,6 +131,11 @@ class Probe(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_states = snapshot(_engine(trainer))
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        engine = _engine(trainer)
+        numel = sum(fg.layout.shard_numel for fg in engine.groups)
+        self.bytes["grads"] = storage_bytes([fg.grad_shard for fg in engine.groups if fg.grad_shard is not None]) / numel
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = _engine(trainer)
         numel = sum(fg.layout.shard_numel for fg in engine.groups)
@@ -149,11 +155,12 @@ def make_trainer(opts: dict[str, str], max_steps: int, callbacks: list) -> pl.Tr
     stage = int(opts["stage"])
     strategy = lightning_zero.ZeroStrategy(
         stage=stage, bucket_size_mb=0.002, state_precision=opts["sp"], checkpoint_format=opts.get("ckpt", "sharded"),
+        grad_shard_precision=opts.get("gs", "fp32"),
         **({"param_persistence_threshold": 0} if stage == 3 else {}),
     )
     return pl.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, precision=opts.get("precision", "bf16-mixed"),
-        max_steps=max_steps, accumulate_grad_batches=2, gradient_clip_val=0.5,
+        max_steps=max_steps, accumulate_grad_batches=int(opts.get("acc", 2)), gradient_clip_val=0.5,
         logger=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=int(opts.get("val", 0)), num_sanity_val_steps=0,
         callbacks=callbacks, use_distributed_sampler=False,

@@ -6,6 +6,8 @@ weights, a frozen layer, clipping, accumulation, an LR schedule) under bf16-mixe
 - the bytes of the partition's master and Adam state, counted by storage: 6 (bf16_sr) and 8 (bf16_kahan)
   per parameter against fp32 states' 12; under stage 3 the whole persistent partition (with the 16-bit
   shard the gathers read) 6 and 8 against 14;
+- with ``grad_shard_precision='bf16'`` the reduced gradients take 2 bytes instead of 4, and without accumulation
+  train bit for bit as fp32 shards;
 - every step of stages 1-3 equals the reference (optim/reference_lowp.py) replayed from the model's initial
   weights, bit for bit (master, moments, Kahan word), also when a parameter unused on every rank leaves
   pieces unstepped (zero/unused.py);
@@ -25,6 +27,8 @@ from tests.helpers.harness import run_scenario
 
 TRAIN = {f"s{stage}_{sp}": f"train:stage={stage},sp={sp}" for stage in (1, 2, 3) for sp in ("fp32", "bf16_sr", "bf16_kahan")}
 TRAIN["s2_unused"] = "train:stage=2,sp=bf16_sr,every=4"
+TRAIN.update({"s2_g16": "train:stage=2,sp=bf16_sr,gs=bf16", "s3_g16": "train:stage=3,sp=bf16_kahan,gs=bf16",
+              "a1_g32": "train:stage=1,sp=bf16_sr,acc=1", "a1_g16": "train:stage=1,sp=bf16_sr,acc=1,gs=bf16"})
 CKPT = {}
 for stage, fmt in ((3, "sharded"), (2, "full")):
     c = f"stage={stage},ckpt={fmt},val=2"
@@ -55,6 +59,21 @@ def test_state_bytes_per_parameter_by_storage(runs: dict, stage: int) -> None:
         assert sr["state_dtypes"] == kahan["state_dtypes"] == ["torch.bfloat16"]
         if stage == 3:  # the bf16 master is what the gathers read: no separate 16-bit partition
             assert (fp32["partition"], sr["partition"], kahan["partition"]) == (14.0, 6.0, 8.0)
+        assert fp32["grads"] == sr["grads"] == kahan["grads"] == 4.0
+
+
+def test_bf16_gradient_shards(runs: dict) -> None:
+    """``grad_shard_precision='bf16'``: 2 bytes per parameter of reduced gradients; without accumulation the same
+    training bit for bit as fp32 shards (the reduction runs in bf16 either way)."""
+    for rank in range(2):
+        for name in ("s2_g16", "s3_g16", "a1_g16"):
+            assert runs[name][rank]["bytes"]["grads"] == 2.0
+        assert runs["a1_g32"][rank]["bytes"]["grads"] == 4.0
+        g32, g16 = runs["a1_g32"][rank], runs["a1_g16"][rank]
+        assert g16["losses"] == g32["losses"] and len(g16["losses"]) == 6
+        for a, b in zip(g32["end_states"], g16["end_states"]):
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                assert _same(a[key], b[key]), (rank, key)
 
 
 @pytest.mark.parametrize("name", [n for n in TRAIN if "fp32" not in n])
