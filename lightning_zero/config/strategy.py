@@ -76,7 +76,8 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(StatePrecisionConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(StatePrecisionConfig, SequenceConfig, LaunchConfig,
+                 ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 
@@ -195,5 +196,6 @@ def config_field_names() -> list[str]:
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "config_field_names", "StageConfig",
     "Stage3Config", "OffloadConfig", "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig",
-    "ParallelConfig", "LaunchConfig", "StatePrecisionConfig", "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
+    "ParallelConfig", "LaunchConfig", "StatePrecisionConfig",
+    "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
 ]

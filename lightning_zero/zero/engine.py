@@ -160,7 +160,8 @@ class ZeroEngine:
         self.states16: Optional[DeviceStates16] = None
         """16-bit masters and Adam moments (``state_precision``; states16.py), None for fp32 states."""
         if states is not None and states.compact:  # type: ignore[attr-defined]
-            self.states16 = DeviceStates16(states, optimizer, self.groups, self.pg_of, compute_dtype, self.stage)  # type: ignore[arg-type]
+            self.states16 = DeviceStates16(states, optimizer, self.groups, self.pg_of,  # type: ignore[arg-type]
+                                           compute_dtype, self.stage)
         self.launch_order: list[tuple[int, int]] = [
             (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
         ]

@@ -75,7 +75,8 @@ class ShardViews:
         writes every element before it is read: stage2.py's [Note: one data-parallel rank]) uninitialised."""
         if self.grad_shard is None:
             make = torch.zeros if zeroed else torch.empty
-            self.grad_shard = make(self.layout.shard_numel, dtype=self.grad_dtype or self.master.dtype, device=self.device)
+            dtype = self.grad_dtype or self.master.dtype
+            self.grad_shard = make(self.layout.shard_numel, dtype=dtype, device=self.device)
         return self.grad_shard
 
 

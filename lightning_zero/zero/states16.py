@@ -74,7 +74,8 @@ class DeviceStates16:
         name = type(optimizer).__name__
         if not all(adam_hyper(optimizer, pg) is not None for pg in optimizer.param_groups):
             raise ValueError(f"state_precision={self.precision!r} steps Adam/AdamW only (torch.optim.Adam/AdamW, "
-                             f"without amsgrad/maximize/capturable/differentiable); got {name}: use state_precision='fp32'.")
+                             f"without amsgrad/maximize/capturable/differentiable); got {name}: use "
+                             "state_precision='fp32'.")
         if compute_dtype != torch.bfloat16:
             raise ValueError(f"state_precision={self.precision!r} keeps bf16 masters, which are the compute weights: "
                              f"it needs precision='bf16-mixed' or 'bf16-true', not {compute_dtype} compute.")
@@ -83,7 +84,7 @@ class DeviceStates16:
         rank_zero_info(
             f"lightning_zero: ZeRO-{stage} keeps master weights and Adam moments in {self.precision} on the device "
             f"({BYTES_PER_PARAM[self.precision]} bytes per parameter of each rank's partition instead of 12; "
-            f"{'stochastic rounding' if not self.kahan else 'a Kahan compensation word; moments stochastically rounded'}"
+            f"{'a Kahan compensation word; moments stochastically rounded' if self.kahan else 'stochastic rounding'}"
             f"); reduced gradients in {cfg.grad_shard_precision}."
         )
 

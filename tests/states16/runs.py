@@ -71,7 +71,8 @@ class Oracle:
             n = fg.layout.shard_numel
             value = torch.zeros(n)
             for index, start, shard_start, length in fg.layout.param_pieces_in_shard(fg.shard):
-                value[shard_start : shard_start + length] = initial[id(fg.params[index])].reshape(-1)[start : start + length]
+                source = initial[id(fg.params[index])].reshape(-1)
+                value[shard_start : shard_start + length] = source[start : start + length]
             master = value.bfloat16()
             comp = (value - master.float()).bfloat16() if self.kahan else None
             self.sim.append([master, comp, torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)])
@@ -134,7 +135,8 @@ class Probe(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         engine = _engine(trainer)
         numel = sum(fg.layout.shard_numel for fg in engine.groups)
-        self.bytes["grads"] = storage_bytes([fg.grad_shard for fg in engine.groups if fg.grad_shard is not None]) / numel
+        shards = [fg.grad_shard for fg in engine.groups if fg.grad_shard is not None]
+        self.bytes["grads"] = storage_bytes(shards) / numel
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         engine = _engine(trainer)
@@ -159,10 +161,12 @@ def make_trainer(opts: dict[str, str], max_steps: int, callbacks: list) -> pl.Tr
         **({"param_persistence_threshold": 0} if stage == 3 else {}),
     )
     return pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, precision=opts.get("precision", "bf16-mixed"),
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+        precision=opts.get("precision", "bf16-mixed"),
         max_steps=max_steps, accumulate_grad_batches=int(opts.get("acc", 2)), gradient_clip_val=0.5,
         logger=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=int(opts.get("val", 0)), num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=int(opts.get("val", 0)),
+        num_sanity_val_steps=0,
         callbacks=callbacks, use_distributed_sampler=False,
     )
 

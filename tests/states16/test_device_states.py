@@ -25,7 +25,8 @@ import torch
 
 from tests.helpers.harness import run_scenario
 
-TRAIN = {f"s{stage}_{sp}": f"train:stage={stage},sp={sp}" for stage in (1, 2, 3) for sp in ("fp32", "bf16_sr", "bf16_kahan")}
+TRAIN = {f"s{stage}_{sp}": f"train:stage={stage},sp={sp}"
+         for stage in (1, 2, 3) for sp in ("fp32", "bf16_sr", "bf16_kahan")}
 TRAIN["s2_unused"] = "train:stage=2,sp=bf16_sr,every=4"
 TRAIN.update({"s2_g16": "train:stage=2,sp=bf16_sr,gs=bf16", "s3_g16": "train:stage=3,sp=bf16_kahan,gs=bf16",
               "a1_g32": "train:stage=1,sp=bf16_sr,acc=1", "a1_g16": "train:stage=1,sp=bf16_sr,acc=1,gs=bf16"})

@@ -61,6 +61,7 @@ def test_kernel_equals_the_reference_on_cuda() -> None:
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 def test_kernel_equals_the_reference_in_the_interpreter() -> None:
     code = "from tests.states16.test_triton_bf16 import compare; bad = compare('cpu'); print(bad); assert not bad"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
