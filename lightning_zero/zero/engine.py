@@ -502,7 +502,14 @@ class ZeroEngine:
     def after_master_load(self) -> None:
         """Masters were overwritten (checkpoint load): the 16-bit parameters follow them (stages 1-2
         all-gather them from the masters' shards)."""
+        self._masters_replaced()
         self._write_back()
+
+    def _masters_replaced(self) -> None:
+        """A Kahan word belongs to the master it compensated: new masters start without one (a loaded optimizer
+        state brings its own next: states16.py ``adapt_loaded_state``)."""
+        if self.states16 is not None:
+            self.states16.masters_replaced()
 
     def after_state_load(self) -> None:
         """An optimizer state was loaded into ``optimizer.state`` (inside ``host_state``): bring it into this

@@ -454,6 +454,7 @@ class Stage3Engine(Stage2Engine):
 
     def after_master_load(self) -> None:
         """Masters were overwritten (checkpoint load): refresh the 16-bit shards and persistent units."""
+        self._masters_replaced()
         self._write_back()
 
     def sharded_params(self) -> list[Parameter]:

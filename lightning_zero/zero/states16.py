@@ -147,6 +147,13 @@ class DeviceStates16:
                            st["exp_avg_sq"][a:z], step=count, hyper=hyper, grad_scale=grad_scale, seed=gi,
                            offset=flat)
 
+    def masters_replaced(self) -> None:
+        """The masters were overwritten (weights loaded): Kahan words of the old values are dropped (zeroed)."""
+        for fg in self.groups:
+            comp = self.optimizer.state.get(fg.master, {}).get(COMP_KEY)
+            if comp is not None:
+                comp.zero_()
+
     # ---------------------------------------------------------------- inspection
     def state_tensors(self, fg: Any) -> list[Tensor]:
         """The master and every state tensor of a group (storage counts in tests and reports)."""

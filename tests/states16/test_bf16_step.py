@@ -78,3 +78,21 @@ def test_engine_refuses_other_optimizers_and_precisions(make_opt, dtype: torch.d
     with pytest.raises(ValueError, match=match):
         Stage1Engine(make_opt(net.parameters()), None, dtype, torch.device("cpu"), 64,
                      states=StatePrecisionConfig("bf16_sr"))
+
+
+def test_loaded_weights_drop_the_old_kahan_word() -> None:
+    """Weights loaded without an optimizer state (``fabric.load`` of the model alone): the Kahan word of the old
+    master would be added to the new one; it is zeroed (the optimizer state's own comes with it otherwise)."""
+    from lightning_zero.zero import state_dict as zsd
+    from lightning_zero.zero.states16 import COMP_KEY
+
+    torch.manual_seed(0)
+    net = nn.Linear(8, 4)
+    engine = Stage1Engine(torch.optim.AdamW(net.parameters()), None, torch.bfloat16, torch.device("cpu"), 64,
+                          states=StatePrecisionConfig("bf16_kahan"))
+    fg = engine.groups[0]
+    comp = engine.optimizer.state[fg.master][COMP_KEY]
+    assert comp.abs().sum() > 0  # the fp32 initial weights' remainders
+    zsd.load_master_params(engine, {id(p): torch.ones_like(p) * 0.5 for p in net.parameters()})
+    assert torch.equal(comp, torch.zeros_like(comp)) and engine.optimizer.state[fg.master][COMP_KEY] is comp
+    assert torch.equal(net.weight.float(), torch.full((4, 8), 0.5))
