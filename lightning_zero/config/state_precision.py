@@ -25,8 +25,8 @@ class StatePrecisionConfig:
     stochastically rounded), 'bf16_kahan' (8: bf16 master with a bf16 Kahan compensation word, bf16
     moments). The bf16 master is also the compute weight (stage 3 gathers it directly: no separate 16-bit
     partition). The math is the compact host states' (optim/reference_lowp.py): a slightly different
-    algorithm from fp32 Adam (the example GPT trains to within 1% of it). Adam/AdamW with bf16-mixed or
-    bf16-true only; with optimizer offload use ``offload_state_precision``. Checkpoints hold the states
+    algorithm from fp32 Adam (the example GPT trains to within 1% of it). Adam/AdamW with bf16-mixed
+    only; with optimizer offload use ``offload_state_precision``. Checkpoints hold the states
     as they are (bf16) and load into runs of any state precision."""
 
     grad_shard_precision: str = "fp32"

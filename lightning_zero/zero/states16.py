@@ -78,7 +78,7 @@ class DeviceStates16:
                              "state_precision='fp32'.")
         if compute_dtype != torch.bfloat16:
             raise ValueError(f"state_precision={self.precision!r} keeps bf16 masters, which are the compute weights: "
-                             f"it needs precision='bf16-mixed' or 'bf16-true', not {compute_dtype} compute.")
+                             f"it needs precision='bf16-mixed', not {compute_dtype} compute.")
         for fg in groups:
             self._convert(fg)
         rank_zero_info(
