@@ -126,7 +126,7 @@ class DeviceStates16:
             assert hyper is not None  # checked at construction; a swapped optimizer class is not supported
             st = self._state(fg)
             if plan is None:
-                st["step"] = st["step"].to("cpu") + 1
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).cpu() + 1  # a loaded count may be a float
                 ranges = [(0, fg.master.numel(), int(st["step"].item()))]
             else:
                 st["step"] = torch.full((), float(plan.steps), dtype=torch.float32)
