@@ -40,6 +40,7 @@ that no rank used is not stepped (zero/unused.py), as under fp32 states.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -126,13 +127,13 @@ class DeviceStates16:
             assert hyper is not None  # checked at construction; a swapped optimizer class is not supported
             st = self._state(fg)
             if plan is None:
-                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).cpu() + 1  # a loaded count may be a float
+                st["step"] = torch.as_tensor(st["step"], dtype=torch.float32).cpu() + 1  # a loaded count: maybe a float
                 ranges = [(0, fg.master.numel(), int(st["step"].item()))]
             else:
                 st["step"] = torch.full((), float(plan.steps), dtype=torch.float32)
                 ranges = plan.ranges
-            for lo, hi, count in ranges:
-                self._step_range(gi, fg, st, grad, lo, hi, count, hyper, 1.0 / coef)
+            for lo, hi, count in ranges:  # coef 0 (an infinite norm clipped, nonfinite='ignore'): g * 0, as fp32 states
+                self._step_range(gi, fg, st, grad, lo, hi, count, hyper, 1.0 / coef if coef else math.inf)
         # what optimizer.step() would have recorded for LR schedulers (offload/engine.py [Note: the LR
         # scheduler sees the CPU step]; that module imports this one, so the flag is set here)
         setattr(opt, "_opt_called", True)
