@@ -10,9 +10,11 @@ benchmarks/run_gpu.sh and run_multi.sh export)::
     PYTHONPATH=. torchrun --nproc-per-node 2 benchmarks/moe.py ...
 
 The shared pieces: ``benchmarks.peers`` (the runner: child processes, timeouts, retries, records),
-``benchmarks.peers_worker`` (the peer builders: strategies, models, the timed training loop and its memory
-figures), ``benchmarks.peers_report`` (records to tables), ``benchmarks.presets`` (model shapes, peer lists) and
-``benchmarks.overlap`` (exposed-communication math). Drivers (peers.py, lora.py, checkpoint.py, compile.py,
-fabric.py, tp.py, ...) parse arguments and hand configurations to the runner; their ``*_worker.py`` build one
-configuration on top of ``peers_worker``. Children get the checkout on ``PYTHONPATH`` (``peers.child_env``).
+``benchmarks.peers_worker`` (the GPT peer builders: strategies, where the model is built, the Trainer that only
+trains, the rank record), ``benchmarks.timing`` (the step timer), ``benchmarks.records`` (what a worker writes;
+failures become rows), ``benchmarks.comm_profile`` (``--profile``) over ``benchmarks.overlap``
+(exposed-communication math), ``benchmarks.peers_report`` (records to tables) and ``benchmarks.presets`` (model
+shapes, peer lists). Drivers (peers.py, lora.py, checkpoint.py, compile.py, fabric.py, tp.py, ...) parse
+arguments and hand configurations to the runner; their ``*_worker.py`` build one configuration on top of
+``peers_worker``. Children get the checkout on ``PYTHONPATH`` (``peers.child_env``).
 """

@@ -3,7 +3,7 @@ and asynchronous) against Lightning's FSDP and DeepSpeed stage 3, side by side, 
 
 The workload: the peer benchmark's GPT-1.3B (``conf/model/gpt_1b.yaml``: 24 layers x d_model 2048,
 vocab 50304, seq 1024; 1.31 G parameters), ``bf16-mixed``, torch AdamW(fused=True) with its warm-up +
-cosine LR schedule (``examples/gpt.py``), micro-batch 8 per GPU, 2 GPUs. Each configuration builds the
+cosine LR schedule (``examples/gpt_module.py``), micro-batch 8 per GPU, 2 GPUs. Each configuration builds the
 model as ``peers_worker.py`` does for its strategy, trains ``--steps`` steps with ``trainer.fit`` (so
 AdamW's moments exist), then, from a callback at the end of training (the strategy still fully set
 up), times ``trainer.save_checkpoint(path)`` ``--saves`` times (the last is reported: the first may

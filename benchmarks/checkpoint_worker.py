@@ -72,8 +72,10 @@ from typing_extensions import override  # noqa: E402
 
 from benchmarks.lora_worker import _compact, _describe_deepspeed, _describe_fsdp  # noqa: E402
 from benchmarks.peers_worker import (  # noqa: E402
-    CONFIGS as PEER_CONFIGS, PRECISION, PeerConfig, _rank, _shutdown_process_group, append_record, build_module,
-    count_params, device_info, run_as_row, short_reason, versions, worker_main,
+    CONFIGS as PEER_CONFIGS, PRECISION, PeerConfig, build_module, count_params,
+)
+from benchmarks.records import (  # noqa: E402
+    _rank, _shutdown_process_group, append_record, device_info, run_as_row, short_reason, versions, worker_main,
 )
 from benchmarks.presets import model_preset  # noqa: E402
 

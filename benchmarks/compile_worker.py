@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-from benchmarks import peers_worker as pw  # noqa: E402
+from benchmarks import peers_worker as pw, records, timing  # noqa: E402
 import torch  # noqa: E402
 
 PEER_OF = {f"{p}{s}": p for p in ("single", "ddp", "fsdp", "zero3") for s in ("", "_compiled")}
@@ -51,10 +51,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     spec = pw.CONFIGS[PEER_OF[args.config]]
     if spec.single_device_only and args.devices != 1:
-        row = {"kind": "error", "config": args.config, "rank": pw._rank()}
-        pw.append_record(args.results_file, {**row, "status": "skipped", "reason": "single-device run (use 1 GPU)"})
+        row = {"kind": "error", "config": args.config, "rank": records._rank()}
+        records.append_record(args.results_file, {**row, "status": "skipped", "reason": "single-device run (use 1 GPU)"})
         return 0
-    return pw.run_as_row(args, lambda: build_strategy(args), lambda strategy: _fit(args, spec, strategy))
+    return records.run_as_row(args, lambda: build_strategy(args), lambda strategy: _fit(args, spec, strategy))
 
 
 def _fit(args: argparse.Namespace, spec: Any, strategy: Any) -> None:
@@ -69,7 +69,7 @@ def _fit(args: argparse.Namespace, spec: Any, strategy: Any) -> None:
     torch.set_float32_matmul_precision("high")
     compiled = args.config.endswith("_compiled")
     cfg = GPTConfig(**model_preset(args.model), compile=compiled)
-    timer = pw.StepTimer(args.warmup)
+    timer = timing.StepTimer(args.warmup)
     trainer = pw.build_trainer(args, strategy, timer)
     model = pw.build_module(spec, args, trainer, cfg)
     if compiled and getattr(model, "model", None) is None:  # built in configure_model (sharded init): compile after
@@ -94,12 +94,12 @@ def _fit(args: argparse.Namespace, spec: Any, strategy: Any) -> None:
         compile_plan=None if plan is None else {"compiled": len(plan.compiled), "made_eager": plan.made_eager,
                                                 "already_compiled": len(plan.already_compiled)},
     )
-    pw.append_record(args.results_file, record)
-    pw._shutdown_process_group()
+    records.append_record(args.results_file, record)
+    records._shutdown_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return pw.worker_main(argv, parse_args, run)
+    return records.worker_main(argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Configurations: ``fabric_zero2``, ``fabric_zero3`` (``Fabric(strategy="zero2"|"z
 transformer block, built on the meta device) and ``fabric_deepspeed_stage_3`` (Fabric's
 DeepSpeedStrategy(stage=3), the network built under ``deepspeed.zero.Init``). Every one trains the
 same GPTModule (its ``training_step``, its param groups, torch AdamW(fused=True) and its LR schedule)
-in ``bf16-mixed``; the step is peers_worker's [Note: what a step is], timed by the same StepTimer
+in ``bf16-mixed``; the step is timing.py's [Note: what a step is], timed by the same StepTimer
 driven from the loop; each rank appends peers_worker's record to ``--results-file``.
 
     python benchmarks/fabric_worker.py --config fabric_zero3 --model gpt_tiny --device cpu --results-file /tmp/r.jsonl
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
-from benchmarks import peers_worker as pw  # noqa: E402
+from benchmarks import peers_worker as pw, records, timing  # noqa: E402
 import torch  # noqa: E402
 
 
@@ -109,7 +109,7 @@ def _train(args: argparse.Namespace, spec: pw.PeerConfig, strategy: Any) -> None
     data.prepare_data()
     data.setup("fit")
     loader = fabric.setup_dataloaders(data.train_dataloader())
-    timer = pw.StepTimer(args.warmup)  # driven from the loop: its hooks read only the batch and the loss
+    timer = timing.StepTimer(args.warmup)  # driven from the loop: its hooks read only the batch and the loss
     timer._device = fabric.device
     total = args.warmup + args.steps
     batches = iter(loader)
@@ -123,17 +123,17 @@ def _train(args: argparse.Namespace, spec: pw.PeerConfig, strategy: Any) -> None
         scheduler.step()
         timer.on_train_batch_end(None, None, loss, batch, i)  # type: ignore[arg-type]
     timer.on_train_end(None, None)  # type: ignore[arg-type]
-    pw.append_record(args.results_file, pw.rank_record(args, fabric, module, timer, pw.count_params(cfg)))
-    pw._shutdown_process_group()
+    records.append_record(args.results_file, pw.rank_record(args, fabric, module, timer, pw.count_params(cfg)))
+    records._shutdown_process_group()
 
 
 def run(args: argparse.Namespace) -> int:
     spec = CONFIGS[args.config]
-    return pw.run_as_row(args, lambda: spec.build(args), lambda strategy: _train(args, spec, strategy))
+    return records.run_as_row(args, lambda: spec.build(args), lambda strategy: _train(args, spec, strategy))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return pw.worker_main(argv, parse_args, run)
+    return records.worker_main(argv, parse_args, run)
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from typing_extensions import override  # noqa: E402
 
-from benchmarks.peers_worker import (  # noqa: E402
-    StepTimer, _shutdown_process_group, _version, append_record, device_info, run_as_row, short_reason, versions,
-    worker_main,
+from benchmarks.records import (  # noqa: E402
+    _shutdown_process_group, _version, append_record, device_info, run_as_row, short_reason, versions, worker_main,
 )
+from benchmarks.timing import StepTimer  # noqa: E402
 from benchmarks.presets import LORA, LORA_PEERS, LORA_PRECISION, llama_lora_counts, llama_preset  # noqa: E402
 
 LR = 1e-4
@@ -395,7 +395,7 @@ class RandomTokens(Dataset):
 
 
 class LoraTimer(StepTimer):
-    """:class:`peers_worker.StepTimer` that also splits peak memory at the start of the timed steps.
+    """:class:`timing.StepTimer` that also splits peak memory at the start of the timed steps.
 
     ``peak_allocated`` (read at train end, as in the peer benchmark) then covers the timed steps only;
     ``init_peak`` holds the peak of everything before them (model build, strategy setup, warm-up

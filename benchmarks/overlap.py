@@ -1,6 +1,6 @@
 """Exposed communication from a profiler's device timeline: pure interval math (no torch).
 
-Used by ``peers_worker.py --profile``; unit-tested on synthetic intervals in
+Used by ``comm_profile.py`` (``peers_worker.py --profile``); unit-tested on synthetic intervals in
 ``tests/unit/test_overlap.py``.
 
 [Note: exposed communication] Over a profiled window of W microseconds of one device's timeline:

@@ -7,11 +7,16 @@ next one's numbers. Each rank appends exactly one JSON line to ``--results-file`
 * ``{"kind": "rank", ...}``: the timed steps, peak memory and versions of that rank; with
   ``--profile``, also ``exposed_comm`` and ``comm_total`` (fractions of the wall time of
   ``--profile-steps`` steps profiled after the timed ones, None where there are no CUDA kernels) and
-  their details in ``comm_profile`` (see :class:`CommProfiler`);
+  their details in ``comm_profile`` (see comm_profile.py's :class:`CommProfiler`);
 * ``{"kind": "error", "status": "skipped" | "failed", "reason": ...}``: when the strategy cannot be
   built (e.g. ``ZeroStrategy(stage=3)`` not implemented yet, DeepSpeed not installed) or training
   raised (e.g. CUDA OOM). The parent turns these into table rows; a failing configuration never
-  aborts the whole benchmark.
+  aborts the whole benchmark (records.py's :func:`run_as_row`).
+
+This file holds what is particular to the GPT peers: how each strategy is built (:data:`CONFIGS`), where
+the network is constructed (:func:`build_module`), the Trainer that only trains, and the rank record;
+the step timer (timing.py), the profiler (comm_profile.py) and the record protocol (records.py) are
+shared with the other workers, which import them from there.
 
 Run by hand only for debugging, e.g.::
 
@@ -21,27 +26,23 @@ Run by hand only for debugging, e.g.::
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import json
-import os
-import re
 import sys
-import time
-import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
-REPO = Path(__file__).resolve().parent.parent
-import lightning.pytorch as L  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch import Callback, LightningModule, Trainer  # noqa: E402
-from lightning.pytorch.strategies import Strategy  # noqa: E402
-from typing_extensions import override  # noqa: E402
+import lightning.pytorch as L
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import Strategy
+from typing_extensions import override
 
-from benchmarks.overlap import comm_overlap  # noqa: E402
-from benchmarks.presets import PEERS, model_preset  # noqa: E402
+from benchmarks.comm_profile import CommProfiler
+from benchmarks.presets import PEERS, model_preset
+from benchmarks.records import (
+    _rank, _shutdown_process_group, append_record, device_info, run_as_row, versions, worker_main,
+)
+from benchmarks.timing import StepTimer
 
 PRECISION = "bf16-mixed"
 """Every configuration trains in bf16 mixed precision (each strategy's own meaning of it)."""
@@ -129,345 +130,6 @@ CONFIGS: dict[str, PeerConfig] = {
 }
 """How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""
 assert set(CONFIGS) == set(PEERS), "presets.PEERS and peers_worker.CONFIGS must name the same configurations"
-
-
-# ---------------------------------------------------------------------------------------------------- timing
-
-
-class StepTimer(Callback):
-    """Wall time per training step with the device synchronised at each step boundary.
-
-    [Note: what a step is] A step is the time between the synchronised ends of two consecutive
-    training batches: data fetch, host-to-device copy, forward, backward, every collective the
-    strategy issues (also ones it defers to the next batch's start) and the optimizer step. Its inner
-    part, batch start to batch end, is recorded as well. The first ``warmup`` steps (allocator growth,
-    cuBLAS heuristics, NCCL communicator set-up, DeepSpeed's first-step bookkeeping) are dropped.
-    One synchronisation per step costs nothing measurable at ~100 ms steps and makes each step's
-    time its own.
-    """
-
-    def __init__(self, warmup: int, timed: Optional[int] = None) -> None:
-        super().__init__()
-        self.warmup = warmup
-        self.timed = timed
-        """None: every step after warm-up is timed (and peak memory is read at train end). A number:
-        only that many (the steps after them are profiled, see :class:`CommProfiler`), and peak memory
-        is read at the end of the last timed one."""
-        self.steps_seen = 0
-        self.step_times: list[float] = []
-        self.inner_times: list[float] = []
-        self.tokens_per_step = 0
-        self.peak_allocated = 0
-        self.peak_reserved = 0
-        self.last_loss: Optional[torch.Tensor] = None
-        self._device: Optional[torch.device] = None
-        self._last_end: Optional[float] = None
-        self._start = 0.0
-
-    def _now(self) -> float:
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-        return time.perf_counter()
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._device = trainer.strategy.root_device
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._start = self._now()
-        if self._last_end is None:
-            self._last_end = self._start
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        end = self._now()
-        if self.timed is not None and self.steps_seen >= self.warmup + self.timed:
-            return  # a profiled step: the timed ones' times, memory and loss stand as they are
-        if self.steps_seen >= self.warmup:
-            assert self._last_end is not None
-            self.step_times.append(end - self._last_end)
-            self.inner_times.append(end - self._start)
-            if self.timed is not None and len(self.step_times) == self.timed:
-                self._read_peak_memory()
-        self._last_end = end
-        self.steps_seen += 1
-        self.tokens_per_step = int(batch[0].numel())
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            self.last_loss = loss.detach()
-
-    def _read_peak_memory(self) -> None:
-        if self._device is not None and self._device.type == "cuda":
-            self.peak_allocated = torch.cuda.max_memory_allocated(self._device)
-            self.peak_reserved = torch.cuda.max_memory_reserved(self._device)
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.timed is None:
-            self._read_peak_memory()
-
-
-# ---------------------------------------------------------------------------------------------------- profiling
-
-PROFILE_WINDOW = "lz_profiled_steps"
-"""The ``record_function`` range that marks the profiled steps: its span is the wall time of the window."""
-DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-"""Kineto activity types (their strings) of device-side events that are work. The other CUDA-side ones
-are not: ``gpu_user_annotation`` (``record_function`` ranges mirrored onto the GPU timeline: ours,
-Lightning's, the optimizer's, spanning whole phases) and ``cuda_sync`` (a synchronisation's wait,
-e.g. the compute stream waiting on an NCCL kernel: counting it as work would hide that kernel)."""
-SYNC_NAME = re.compile(r"(^| )Sync$|^Stream Wait Event$|^cudaProfilerRange|^ProfilerStep#")
-"""Names of CUDA-side non-work events, for when the activity type is unavailable."""
-
-
-def _profiler_rows(prof: Any) -> tuple[list[tuple[str, Any, float, float, Any, bool, Any]], list[str]]:
-    """Every event of a stopped ``torch.profiler.profile`` as (name, device type, start_us, end_us,
-    activity type or None, is user annotation, device index or None), and notes.
-
-    First the raw ``prof.profiler.kineto_results.events()`` (start/end in ns on one clock): reading them
-    takes about a second for 100k events, where ``prof.events()`` builds FunctionEvents and their tree
-    at ~20x the cost (tens of seconds for a few GPT-1.3B steps). If the raw API is missing or has
-    changed, ``prof.events()`` (``time_range`` in us from the trace start), with a note.
-    """
-
-    def opt(obj: Any, attr: str, default: Any = None) -> Any:
-        fn = getattr(obj, attr, None)
-        try:
-            return fn() if callable(fn) else default
-        except Exception:  # noqa: BLE001
-            return default
-
-    try:
-        rows = []
-        for k in prof.profiler.kineto_results.events():
-            if opt(k, "is_hidden_event", False):
-                continue
-            rows.append((k.name(), k.device_type(), k.start_ns() / 1e3, k.end_ns() / 1e3, opt(k, "activity_type"),
-                         bool(opt(k, "is_user_annotation", False)), opt(k, "device_index")))
-        return rows, []
-    except Exception as exc:  # noqa: BLE001 - an API change must not cost the row
-        note = f"kineto_results.events() unusable ({short_reason(exc)}): used prof.events()"
-    rows = []
-    for e in prof.events():
-        rows.append((e.name, e.device_type, float(e.time_range.start), float(e.time_range.end),
-                     getattr(e, "activity_type", None), bool(getattr(e, "is_user_annotation", False)),
-                     getattr(e, "device_index", None)))
-    return rows, [note]
-
-
-def _device_activity(
-    prof: Any, device_index: Optional[int]
-) -> tuple[list[tuple[str, float, float]], Optional[tuple[float, float]], dict[str, int], list[str]]:
-    """(device work as (name, start_us, end_us), the window's (start_us, end_us), counts of the CUDA-side
-    events by activity type, notes) from a stopped ``torch.profiler.profile``.
-
-    Device work is the CUDA-side events of a :data:`DEVICE_WORK` activity type (kernels, memcpy,
-    memset); without activity types, every CUDA-side event that is neither a user annotation nor named
-    like a synchronisation. Only the given device's events are kept (when any carry its index).
-    """
-    from torch.autograd import DeviceType
-
-    rows, notes = _profiler_rows(prof)
-    annotation_names = {name for name, dev, _, _, act, ann, _ in rows
-                        if dev == DeviceType.CPU and (ann or (act and "annotation" in str(act)))}
-    windows = [(s, e) for name, dev, s, e, _, _, _ in rows if dev == DeviceType.CPU and name == PROFILE_WINDOW]
-    types: dict[str, int] = {}
-    by_type: list[tuple[str, float, float, Any]] = []
-    by_name: list[tuple[str, float, float, Any]] = []
-    for name, dev, s, e, act, ann, index in rows:
-        if dev != DeviceType.CUDA:
-            continue
-        types[str(act)] = types.get(str(act), 0) + 1
-        if str(act) in DEVICE_WORK:
-            by_type.append((name, s, e, index))
-        if not (ann or name in annotation_names or SYNC_NAME.search(name) or "annotation" in str(act)
-                or "sync" in str(act)):
-            by_name.append((name, s, e, index))
-    device = by_type
-    if not by_type and by_name:
-        device = by_name
-        notes.append(f"no CUDA event of activity type {sorted(DEVICE_WORK)} (types: {types}): "
-                     "device work told from annotations and syncs by name")
-    if device_index is not None and any(i == device_index for *_, i in device):
-        device = [d for d in device if d[3] == device_index]
-    elif device and device_index is not None:
-        notes.append(f"no event carries device index {device_index}: used all devices' events")
-    window = windows[0] if len(windows) == 1 else None
-    if window is None:
-        notes.append(f"{len(windows)} '{PROFILE_WINDOW}' ranges found: wall = span of the device activity")
-    return [(n, s, e) for n, s, e, _ in device], window, types, notes
-
-
-class CommProfiler(Callback):
-    """Profiles ``steps`` training steps after the first ``start_after`` ones, then measures how much
-    device time was communication and how much of it was exposed (see overlap.py's
-    [Note: exposed communication]).
-
-    The window runs from one synchronised step end (after ``start_after`` steps: the timed ones are
-    over, so their numbers carry no profiler overhead) to the synchronised end of ``steps`` steps
-    later, like :class:`StepTimer`'s steps, and is marked with a ``record_function`` range so that its
-    wall time is read on the profiler's own clock. Every rank profiles (profiling one rank only would
-    slow it and show up as the others' wait inside NCCL). Nothing is exported; the trace is dropped
-    after the numbers are taken. Any profiler failure becomes a note, never a failed row.
-    """
-
-    def __init__(self, start_after: int, steps: int = 3) -> None:
-        super().__init__()
-        self.start_after = start_after
-        self.steps = steps
-        self.seen = 0
-        self.result: dict[str, Any] = {}
-        self._prof: Any = None
-        self._window: Any = None
-        self._profiled = 0
-        self._device: Optional[torch.device] = None
-
-    def _sync(self) -> None:
-        if self._device is not None and self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
-
-    def _start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        activities = [ProfilerActivity.CPU]
-        if self._device is not None and self._device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        try:
-            self._sync()
-            self._prof = profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False)
-            self._prof.start()
-            self._window = record_function(PROFILE_WINDOW)
-            self._window.__enter__()
-        except Exception as exc:  # noqa: BLE001
-            self.result = {"note": f"profiler did not start: {short_reason(exc)}"}
-            if self._prof is not None:
-                try:
-                    self._prof.stop()  # started, then the window failed: never leave it recording
-                except Exception:  # noqa: BLE001
-                    pass
-            self._prof = self._window = None
-
-    def _stop(self) -> None:
-        prof, window, self._prof, self._window = self._prof, self._window, None, None
-        notes: list[str] = []
-        try:
-            self._sync()
-            if window is not None:
-                window.__exit__(None, None, None)
-            prof.stop()
-        except Exception as exc:  # noqa: BLE001
-            self.result = {"note": f"profiler did not stop cleanly: {short_reason(exc)}"}
-            return
-        if self._profiled < self.steps:
-            notes.append(f"only {self._profiled} of {self.steps} steps profiled")
-        try:
-            t0 = time.perf_counter()
-            index = self._device.index if self._device is not None and self._device.type == "cuda" else None
-            kernels, span, types, more = _device_activity(prof, index)
-            notes += more
-            measured = comm_overlap(kernels, span)
-            self.result = {**measured.as_dict(), "steps": self._profiled, "cuda_event_types": types,
-                           "analysis_s": time.perf_counter() - t0}
-            if not kernels:
-                notes.append("no CUDA kernel events" + (" (CPU run)" if index is None else ""))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            notes.append(f"analysis failed: {short_reason(exc)}")
-        if notes:
-            self.result["note"] = "; ".join(notes)
-
-    @property
-    def exposed_comm(self) -> Optional[float]:
-        return self.result.get("exposed_fraction")
-
-    @property
-    def comm_total(self) -> Optional[float]:
-        return self.result.get("comm_fraction")
-
-    @override
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._device = trainer.strategy.root_device
-
-    @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self.seen += 1
-        if self._prof is not None:
-            self._profiled += 1
-            if self._profiled >= self.steps:
-                self._stop()
-        elif self.seen == self.start_after and not self.result:
-            self._start()
-
-    @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._prof is not None:  # training ended inside the window
-            self._stop()
-        elif not self.result:
-            self.result = {"note": f"training ended after {self.seen} steps, before profiling began"}
-
-
-# ---------------------------------------------------------------------------------------------------- records
-
-
-def _rank() -> int:
-    """Global rank before (or without) a Trainer: torchrun's RANK, else 0."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def append_record(path: Path, record: dict[str, Any]) -> None:
-    """One JSON line, one write(2) on an O_APPEND file: lines from concurrent ranks never interleave."""
-    line = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
-
-
-def _version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def versions() -> dict[str, Optional[str]]:
-    """Versions of everything that shapes the numbers (metadata only: importing DeepSpeed is slow)."""
-    import lightning
-
-    import lightning_zero
-
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "lightning": lightning.__version__,
-        "deepspeed": _version("deepspeed"),
-        "lightning_zero": lightning_zero.__version__,
-        "python": sys.version.split()[0],
-    }
-
-
-def short_reason(exc: BaseException) -> str:
-    """One line for the table: exception type and the first line of its message, capped."""
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return f"{type(exc).__name__}: {first}"[:300]
-
-
-def device_info(device: torch.device) -> tuple[str, Optional[float]]:
-    """Device name for the table and its peak dense bf16 FLOP/s (for MFU), from lightning_zero's table."""
-    if device.type != "cuda":
-        import platform
-
-        return (platform.processor() or platform.machine() or "cpu"), None
-    from lightning_zero.logging.metrics import peak_bf16_flops
-
-    name = torch.cuda.get_device_name(device)
-    return name, peak_bf16_flops(name)
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -598,56 +260,6 @@ def rank_record(
     if profiler is not None:
         record.update(exposed_comm=profiler.exposed_comm, comm_total=profiler.comm_total, comm_profile=profiler.result)
     return record
-
-
-def _shutdown_process_group() -> None:
-    """Tear NCCL down explicitly: exiting with a live communicator can hang or print warnings at exit."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # the numbers are recorded already; never fail the run on teardown
-            print(f"destroy_process_group failed: {short_reason(exc)}", file=sys.stderr)
-
-
-def run_as_row(args: argparse.Namespace, build_strategy: Callable[[], Any], body: Callable[[Any], None],
-               skip_on: tuple[type[BaseException], ...] = (NotImplementedError, ValueError)) -> int:
-    """One configuration in this worker: a strategy that cannot be built here (``skip_on``) becomes a
-    'skipped' row, any other failure a 'failed' row with its traceback in the log; the parent renders
-    its table from these rows (peers.py, lora.py and checkpoint.py share this)."""
-    base = {"kind": "error", "config": args.config, "rank": _rank()}
-    try:
-        strategy = build_strategy()
-    except skip_on as exc:
-        append_record(args.results_file, {**base, "status": "skipped", "reason": short_reason(exc)})
-        return 0
-    except Exception as exc:  # e.g. `import deepspeed` failing on this machine
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
-    try:
-        body(strategy)
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes a table row, with its traceback in the log
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        traceback.print_exc()
-        append_record(args.results_file, {**base, "status": "failed", "reason": short_reason(exc)})
-        return 1
-    return 0
-
-
-def worker_main(argv: Optional[list[str]], parse: Callable[[Optional[list[str]]], argparse.Namespace],
-                run_one: Callable[[argparse.Namespace], int], ignore: tuple[str, ...] = ()) -> int:
-    """A benchmark worker's entry point: quiet known warnings, record this pid (the parent kills
-    workers that outlive their launcher: torchrun puts each in its own session), run."""
-    for pattern in (".*does not have many workers.*", ".*smaller than the logging interval.*", *ignore):
-        warnings.filterwarnings("ignore", pattern)
-    args = parse(argv)
-    with args.results_file.with_suffix(".pids").open("a") as fh:
-        fh.write(f"{os.getpid()}\n")
-    code = run_one(args)
-    sys.stdout.flush()
-    return code
 
 
 def run(args: argparse.Namespace) -> int:

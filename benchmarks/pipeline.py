@@ -159,6 +159,39 @@ class StepTimer(pl.Callback):
                 self.end = self._now(trainer)
 
 
+class StepTrace(pl.Callback):
+    """``--trace DIR``: torch.profiler over the last two steps of a configuration, one gzipped Chrome trace per
+    rank plus the top of its kernel table (where a stage's idle time goes: receives, the loss, the step)."""
+
+    def __init__(self, out: str, name: str, first: int) -> None:
+        self.out, self.name, self.first = out, name, first
+        self.prof: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.first and self.prof is None:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=acts, record_shapes=False)
+            self.prof.__enter__()
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        os.makedirs(self.out, exist_ok=True)
+        rank = int(os.environ.get("RANK", "0"))
+        path = os.path.join(self.out, f"{self.name}_rank{rank}.json")
+        self.prof.export_chrome_trace(path)
+        os.system(f"gzip -f {path}")
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        with open(os.path.join(self.out, f"{self.name}_rank{rank}.txt"), "w") as f:
+            f.write(self.prof.key_averages().table(sort_by=key, row_limit=40))
+        self.prof = None
+
+
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
     flat = name in ("zero1", "zero3")  # data parallel over every GPU, the module run in sequence
     stages = 1 if flat else args.stages
@@ -176,11 +209,14 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
         process_group_backend="nccl" if args.device == "cuda" else "gloo",
     )
     timer = StepTimer(args.warmup)
+    callbacks: list[pl.Callback] = [timer]
+    if args.trace:
+        callbacks.append(StepTrace(args.trace, name, steps - 2))
     trainer = pl.Trainer(
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=world, strategy=strategy,
         precision="bf16-mixed" if args.device == "cuda" else "32-true", max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=[timer],
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False, callbacks=callbacks,
         gradient_clip_val=1.0,
     )
     error = None
@@ -248,6 +284,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--trace", default=None, help="profile the last 2 steps of each config: traces per rank here")
     parser.add_argument("--results", default=None, help="append the table to this markdown file (rank 0)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
-from benchmarks import peers_worker as pw  # noqa: E402
+from benchmarks import peers_worker as pw, records, timing  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch import LightningModule  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
@@ -88,7 +88,7 @@ def gpt_module(args: argparse.Namespace, cfg: Any) -> LightningModule:
     from lightning_zero.parallel import tp_plan_gpt
 
     class TPGPTModule(GPTModule):
-        """examples/gpt.py's GPTModule, its network built in configure_model on the GPU and parallelized."""
+        """examples/gpt_module.py's GPTModule, its network built in configure_model on the GPU and parallelized."""
 
         def _build_model(self) -> Any:
             return None
@@ -164,7 +164,7 @@ def _fit(args: argparse.Namespace, strategy: Any) -> None:
 
     L.seed_everything(0, verbose=False)
     torch.set_float32_matmul_precision("high")
-    timer = pw.StepTimer(args.warmup)
+    timer = timing.StepTimer(args.warmup)
     trainer = pw.build_trainer(args, strategy, timer)
     if args.config.startswith("gpt"):
         from examples.data import TextDataModule
@@ -183,16 +183,16 @@ def _fit(args: argparse.Namespace, strategy: Any) -> None:
         raise RuntimeError(f"only {len(timer.step_times)} of {args.steps} timed steps ran (too little data?)")
     record = pw.rank_record(args, trainer, model, timer, n_params)
     record.update(tokens_per_step_local=timer.tokens_per_step / args.tp, tp=args.tp, stage=args.stage)
-    pw.append_record(args.results_file, record)
-    pw._shutdown_process_group()
+    records.append_record(args.results_file, record)
+    records._shutdown_process_group()
 
 
 def run(args: argparse.Namespace) -> int:
-    return pw.run_as_row(args, lambda: build_strategy(args), lambda strategy: _fit(args, strategy))
+    return records.run_as_row(args, lambda: build_strategy(args), lambda strategy: _fit(args, strategy))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    return pw.worker_main(argv, parse_args, run)
+    return records.worker_main(argv, parse_args, run)
 
 
 if __name__ == "__main__":

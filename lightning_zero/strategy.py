@@ -269,14 +269,15 @@ class ZeroStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         kind = _loop_kind(trainer)
         self._zero.watch_first(kind)
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self._sequence is not None:  # this rank's slice of every sequence ([Note: sequence parallelism in the strategy])
+        if self._sequence is not None:  # this rank's slice of every sequence, split on the host before it moves
+            # ([Note: sequence parallelism in the strategy])
             if kind == "predict":
                 raise ValueError(f"sequence_parallel={self.config.sequence_parallel}: predict is not built yet "
                                  "(each rank would return a slice of the outputs)")
             assert self.dims is not None
             batch = sequence_apply.split_batch(batch, self._sequence, self.dims, self.config.piece(SequenceConfig))
-        return batch
+            sequence_apply.move_documents(self._sequence, device or self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

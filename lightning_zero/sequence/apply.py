@@ -3,15 +3,20 @@
 [Note: sequence parallelism in the strategy]
 At setup (before the engines exist, so nothing is gathered or cast yet), ``prepare_module`` finds the HF
 models inside the LightningModule and switches their attention to the sequence-parallel function
-(hf.py), tiles their MLPs if asked (tiled_mlp.py), and returns the ``SequenceContext`` they share. A
-LightningModule with no HF model inside is refused there, in one line. Each batch then passes
-``split_batch`` in the strategy's ``batch_to_device``: a dict with ``input_ids`` (and optionally
-``labels``, ``position_ids``, an all-ones ``attention_mask``) becomes this rank's slice with
-``position_ids``, ``shift_labels`` (so HF's loss does not shift again), ``labels`` (HF computes a loss
-only when labels are given; with ``shift_labels`` present they are not read) and ``num_items_in_batch``
-(the global count of target tokens over the group's size, so HF's summed loss divided by it is this
-rank's share of the global token mean; batch.py [Note: splitting a causal-LM batch]). The user's
-``self.model(**batch).loss`` is then unchanged. The document ids of packed rows go to the context.
+(hf.py), tiles their MLPs if asked (tiled_mlp.py), and returns the ``SequenceContext`` they share; a
+LightningModule with no HF model inside gets the context on every module instead, for the attention hook
+(hook.py). Each batch then passes ``split_batch`` in the strategy's ``batch_to_device``, on the host,
+before it moves: the checks (an all-ones mask), the document ids and the count read the whole batch, which
+on the host costs no device synchronisation, and only this rank's slice is copied to the device
+(``on_before_batch_transfer`` has seen the whole batch; ``transfer_batch_to_device`` and
+``on_after_batch_transfer`` receive the slice). A dict with
+``input_ids`` (and optionally ``labels``, ``position_ids``, an all-ones ``attention_mask``) becomes this
+rank's slice with ``position_ids``, ``shift_labels`` (so HF's loss does not shift again), ``labels`` (HF
+computes a loss only when labels are given; with ``shift_labels`` present they are not read) and
+``num_items_in_batch`` (the global count of target tokens, counted once by ``shard_batch``, over the
+group's size, so HF's summed loss divided by it is this rank's share of the global token mean; batch.py
+[Note: splitting a causal-LM batch]). The user's ``self.model(**batch).loss`` is then unchanged. The
+document ids of packed rows go to the context, and to the device beside the slice (``move_documents``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch import Tensor, nn
 from lightning_zero.comm import collectives as C
 from lightning_zero.config import SequenceConfig
 from lightning_zero.parallel_dims import ParallelDims
-from lightning_zero.sequence.batch import IGNORE_INDEX, shard_batch
+from lightning_zero.sequence.batch import shard_batch
 from lightning_zero.sequence.context import SequenceContext, attach
 from lightning_zero.sequence.hf import prepare_hf
 from lightning_zero.sequence.layout import SequenceLayout
@@ -90,13 +95,11 @@ def split_batch(batch: Any, context: SequenceContext, dims: ParallelDims, config
     layout = SequenceLayout(ids.shape[1], dims.sp, config.sequence_layout)
     shard = shard_batch(ids, batch.get("labels"), layout, dims.sp_rank, position_ids=batch.get("position_ids"))
     context.layout, context.doc = layout, shard.doc
-    count = (layout_all_targets(batch, ids) != IGNORE_INDEX).sum().to(torch.float32)
     return {"input_ids": shard.input_ids, "position_ids": shard.position_ids, "labels": shard.shift_labels,
-            "shift_labels": shard.shift_labels, "num_items_in_batch": count / dims.sp}
+            "shift_labels": shard.shift_labels, "num_items_in_batch": shard.targets.to(torch.float32) / dims.sp}
 
 
-def layout_all_targets(batch: dict[str, Any], ids: Tensor) -> Tensor:
-    """The shifted targets of the whole sequence (every rank holds the whole batch before the split)."""
-    labels = batch.get("labels")
-    labels = ids if labels is None else labels
-    return labels[:, 1:]
+def move_documents(context: SequenceContext, device: torch.device) -> None:
+    """Move the document ids ``split_batch`` left on the context to ``device``, beside the batch it moved."""
+    if context.doc is not None:
+        context.doc = context.doc.to(device)

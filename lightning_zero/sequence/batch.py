@@ -36,6 +36,9 @@ class SequenceShard:
     position_ids: Tensor
     doc: Optional[Tensor]
     """Document ids for packed sequences, None when every row is one document."""
+    targets: Tensor
+    """The target tokens (shifted labels not ``-100``) of the whole batch, every rank's slices together: the
+    denominator of the global token mean, counted once here (0-dim int64)."""
 
 
 def documents(position_ids: Tensor) -> Optional[Tensor]:
@@ -60,6 +63,7 @@ def shard_batch(input_ids: Tensor, labels: Optional[Tensor], layout: SequenceLay
     return SequenceShard(
         input_ids=layout.shard(input_ids, rank), shift_labels=layout.shard(shifted, rank),
         position_ids=layout.shard(position_ids, rank), doc=layout.shard(doc, rank) if doc is not None else None,
+        targets=(shifted != IGNORE_INDEX).sum(),
     )
 
 

@@ -4,8 +4,8 @@
 A ``SequenceContext`` is built once per sequence-parallel group and attached to each attention module of the
 model (``attach``: an attribute on the module, no global registry), so the attention function, which HF
 and our hook call with only the module and ``q, k, v``, finds the group, the layout and the scheme there.
-The one piece that changes per batch, the document ids of packed sequences, is set on it by the batch
-splitter (batch.py) before the forward, and cleared after.
+The pieces that change per batch, the layout (the sequence length) and the document ids of packed
+sequences, are set on it by the batch splitter (apply.py ``split_batch``) before each forward.
 """
 
 from __future__ import annotations

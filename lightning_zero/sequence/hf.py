@@ -8,7 +8,8 @@ with ``q, k, v`` as ``[B, H, S, D]`` after rotary embeddings, and expect ``[B, S
 used the global ``position_ids`` the batch splitter passes, and an implementation HF has no mask function
 for makes HF skip building a mask (we build ours from positions and document ids). What we cannot honour
 is refused on the first call, naming the module: a padding ``attention_mask`` (pack sequences instead),
-attention dropout while training, sliding windows, soft-capping and ``output_attentions``.
+attention dropout while training, sliding windows shorter than the sequence (one that covers it
+changes nothing), soft-capping and ``output_attentions``.
 """
 
 from __future__ import annotations
@@ -62,15 +63,13 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare_hf(model: nn.Module, context: SequenceContext) -> None:
-    """Switch an HF ``PreTrainedModel`` to the sequence-parallel attention; refuse a model it cannot split."""
+    """Switch an HF ``PreTrainedModel`` to the sequence-parallel attention; refuse a model it cannot split.
+    A sliding window is judged at the first call, against the sequence it is given (the length is unknown
+    here: the strategy prepares the model before its first batch)."""
     config = getattr(model, "config", None)
     modules = attention_modules(model)
     if config is None or not modules:
         raise ValueError(f"{type(model).__name__}: no HF attention modules found to split the sequence over")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < context.layout.seq_len:
-        raise ValueError(f"{type(model).__name__}: sliding-window attention ({window} tokens) is not supported "
-                         "under sequence parallelism")
     register()
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTN_NAME)

@@ -1,5 +1,5 @@
 """Ring attention: each rank keeps its queries and passes its key/value block around the sequence-parallel
-group, so no rank ever holds more than two key/value blocks (its own and the one in flight).
+group, so besides its own a rank holds at most two key/value blocks: the one it attends to and the one in flight.
 
 [Note: the ring]
 Forward, ``N`` ranks: at step ``t`` rank ``r`` holds the key/value block of rank ``(r - t) mod N``, posts
@@ -14,7 +14,9 @@ queries' contribution to the block it holds before passing it on, and after ``N`
 its accumulators are sent on the last one) is home with its complete gradient. ``dQ`` never moves.
 
 Memory: the saved tensors are this rank's ``q, k, v, out, lse``; nothing of size ``S x S`` or of the whole
-sequence is kept. The compute per block is plain torch (blockwise.py), so the same code runs on gloo in CI;
+sequence is kept. Received blocks live while attended to and while the next one arrives: at most two
+besides the rank's own (forward), two with their ``dK, dV`` accumulators (backward); tests/sequence counts
+them. The compute per block is plain torch (blockwise.py), so the same code runs on gloo in CI;
 on GPUs a fused kernel returning the log-sum-exp can replace ``block_forward``/``block_backward``.
 """
 
@@ -45,6 +47,14 @@ def _arrive(works: list[Any]) -> None:
         work.wait()
 
 
+def _exchange(tensors: list[Tensor], group: Optional[C.ProcessGroup]) -> list[Tensor]:
+    """``_rotate`` and wait; only the received buffers are returned: the work handles, which keep the sent
+    tensors alive, end here (kept until the next exchange they would make three blocks live, not two)."""
+    bufs, works = _rotate(tensors, group)
+    _arrive(works)
+    return bufs
+
+
 def _skip(q_pos: Tensor, k_pos: Tensor, causal: bool) -> bool:
     """True when no query of this rank sees any key of the block (every key after every query); host
     tensors, so deciding costs no device read."""
@@ -72,12 +82,10 @@ class _RingAttention(torch.autograd.Function):
             works: list[Any] = []
             if t < n - 1:
                 nxt, works = _rotate(block, group)
-            bk, bv = block[0], block[1]
-            bdoc = block[2] if doc is not None else None
             k_host, k_pos = _positions(layout, (r - t) % n, q.device)
-            if not _skip(q_host, k_host, causal):
-                mask = B.visible(q_pos, k_pos, doc, bdoc, causal)
-                o_b, lse_b = B.block_forward(q, bk, bv, mask, scale)
+            if not _skip(q_host, k_host, causal):  # no name outlives the block: two blocks live, never three
+                mask = B.visible(q_pos, k_pos, doc, block[2] if doc is not None else None, causal)
+                o_b, lse_b = B.block_forward(q, block[0], block[1], mask, scale)
                 out, lse = B.merge(out, lse, o_b, lse_b)
             if t < n - 1:
                 _arrive(works)
@@ -109,9 +117,7 @@ class _RingAttention(torch.autograd.Function):
                 dk += dk_b
                 dv += dv_b
             if n > 1:  # the block moves on with its accumulators; on the last pass only they travel (home)
-                (*block_next, dk, dv), works = _rotate((block if t < n - 1 else []) + [dk, dv], group)
-                _arrive(works)
-                block = block_next
+                *block, dk, dv = _exchange((block if t < n - 1 else []) + [dk, dv], group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -5,12 +5,16 @@
 Before attention, ``q``, ``k`` and ``v`` (``[B, H, S/N, D]`` on each of ``N`` ranks) are cut into ``N``
 groups of heads; group ``j`` goes to rank ``j`` (one equal-split all-to-all, comm/collectives.all_to_all),
 which concatenates the sequence slices it receives in rank order: ``[B, H/N, S, D]``. The tokens are then
-in "rank order", which for the zigzag layout is not position order, so attention takes the gathered
-global positions (from the layout, on the host) and builds its mask from them (blockwise.block_attention;
-in the contiguous layout the order is the position order and SDPA's fused causal path runs). After
+in "rank order", which for the zigzag layout is not position order. Rows of one document are put back in
+position order (one ``index_select`` of ``q, k, v`` and its inverse on the output, copies of this rank's
+``1/N`` share; the permutation comes from the layout, on the host), so SDPA's fused causal path runs with
+no mask: a mask built from the positions would be ``S x S`` per rank, kept for the backward, whatever ``N``.
+Packed rows do build that mask from the gathered positions and document ids (blockwise.block_attention;
+``O(S^2)`` memory: ring attention, whose masks are per block, is the scheme for long packed rows). After
 attention the inverse all-to-all returns ``[B, H, S/N, D]``. The backward of each all-to-all is the other
 one. Heads must divide by ``N``; grouped-query key/value heads that do not are repeated up to the query
-heads first (DeepSpeed does the same), which costs their all-to-all volume and nothing else.
+heads first (DeepSpeed does the same), which costs their all-to-all volume and the memory of the repeats
+(``H/N`` instead of ``KV/N`` key/value heads per rank).
 Communication per attention: ``4`` all-to-alls of ``1/N`` of the activations each way, against ring
 attention's ``N - 1`` key/value block exchanges: Ulysses wins while heads divide, ring is the fallback.
 """
@@ -82,7 +86,15 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, g
     if k.shape[1] % n:  # grouped-query heads that do not split: repeat them up to the query heads
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
     qh, kh, vh = (_Reshard.apply(t, group, True) for t in (q, k, v))
-    pos = torch.cat([layout.positions(r) for r in range(n)])
-    full_doc = _gather_doc(doc, group) if doc is not None else None
-    out = block_attention(qh, kh, vh, pos, pos, full_doc, full_doc, causal=causal, scale=scale)
+    pos = torch.cat([layout.positions(r) for r in range(n)])  # of the tokens in rank order (host)
+    if doc is not None:
+        full_doc = _gather_doc(doc, group)
+        out = block_attention(qh, kh, vh, pos, pos, full_doc, full_doc, causal=causal, scale=scale)
+    elif bool((pos[1:] > pos[:-1]).all()):  # rank order is position order (contiguous layout)
+        out = block_attention(qh, kh, vh, pos, pos, causal=causal, scale=scale)
+    else:  # position order for SDPA's unmasked causal path, rank order again after (see [Note: Ulysses])
+        order = torch.argsort(pos)
+        to_pos, to_rank = order.to(q.device), torch.argsort(order).to(q.device)
+        qh, kh, vh = (t.index_select(2, to_pos) for t in (qh, kh, vh))
+        out = block_attention(qh, kh, vh, pos[order], pos[order], causal=causal, scale=scale).index_select(2, to_rank)
     return _Reshard.apply(out, group, False)

@@ -48,7 +48,7 @@ LR = {"adam": 2e-3, "onebit_adam": 2e-3, "lamb": LAMB_LR, "onebit_lamb": LAMB_LR
 
 class Module(pl.LightningModule):
     """Next-token cross-entropy of the example GPT with the optimizer under test: decay on Linear
-    weights only, linear LR warm-up then cosine (examples/gpt.py's schedule)."""
+    weights only, linear LR warm-up then cosine (examples/gpt_module.py's schedule)."""
 
     def __init__(self, kind: str, max_steps: int, freeze_step: int) -> None:
         super().__init__()

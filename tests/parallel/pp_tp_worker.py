@@ -47,8 +47,9 @@ def make_trainer(opts: dict[str, str], callbacks: list) -> pl.Trainer:
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter of every stage at its full value (collective: DTensors gathered over tp, then the
-    stages' dicts over all ranks)."""
-    mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    stages' dicts over all ranks), on the CPU: under ``LZ_TEST_ACCELERATOR=gpu`` the oracle is a CPU run."""
+    mine = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+            for n, p in model.named_parameters()}
     merged: dict[str, torch.Tensor] = {}
     for part in C.all_gather_object(mine, None):
         merged.update(part)
@@ -71,7 +72,8 @@ def run(name: str, spec: str, out: str) -> None:
         if trainer.is_global_zero and os.path.isdir(path):
             result["consolidated"] = load_consolidated(path)["state_dict"]
         result["saved_weights"] = full_weights(model)
-        result["full_state_dict"] = trainer.strategy.full_state_dict()
+        result["full_state_dict"] = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                                     for k, v in trainer.strategy.full_state_dict().items()}
     else:
         trainer = make_trainer(opts, [probe])
         trainer.fit(model, ckpt_path=os.path.join(out, f"{ckpt}.ckpt") if ckpt else None)

@@ -53,7 +53,7 @@ def test_stage_plan_refuses_a_layer_holding_part_of_the_plan() -> None:
 
 
 def test_gpt_plan_for_the_pipeline_form_covers_the_stage_blocks() -> None:
-    """examples/gpt.py's configure_model applies tp_plan_gpt to either form; the pipeline form's plan
+    """examples/gpt_module.py's configure_model applies tp_plan_gpt to either form; the pipeline form's plan
     names the blocks' MLPs of the layers the stage holds (here all of them: not placed)."""
     from examples.gpt import GPTConfig, gpt_pipeline
 

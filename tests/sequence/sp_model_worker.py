@@ -4,7 +4,8 @@ process. Runs ``{NAME: SPEC}`` (``run_worker``), SPEC: ``impl=...`` runs sp_attn
 hold several documents, position ids restart per document), window (mistral's sliding window).
 Each rank records the relative error of its logits, of the loss (mean over the group) and of every
 parameter gradient (averaged over the group, as data-parallel averaging does), or the error message of a
-refused model. Rank 0 writes ``OUT/NAME.pt``.
+refused model, and the storage bytes of what enters attention (``AttentionInputs``) beside the one-process
+run's. Rank 0 writes ``OUT/NAME.pt``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from lightning_zero.sequence import SequenceLayout  # noqa: E402
 from lightning_zero.sequence.batch import shard_batch, sequence_loss  # noqa: E402
 from lightning_zero.sequence.context import SequenceContext  # noqa: E402
 from lightning_zero.sequence.hf import prepare_hf  # noqa: E402
+from lightning_zero.sequence.hf import attention_modules  # noqa: E402
 from tests.helpers.compare import tensor_rel  # noqa: E402
+from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.sequence.sp_attn_worker import run as run_attention  # noqa: E402
 from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
 from tests.helpers.worker_io import run_specs, save_result  # noqa: E402
@@ -53,6 +56,30 @@ def batch(packed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pos
 
 
+class AttentionInputs:
+    """Storage bytes of what enters attention in a forward, summed over the layers: each attention module's
+    hidden states and the outputs of its q, k and v projections."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.bytes = 0
+        self.handles = []
+        for module in attention_modules(model):
+            self.handles.append(module.register_forward_pre_hook(self._hidden, with_kwargs=True))
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                self.handles.append(getattr(module, proj).register_forward_hook(self._projection))
+
+    def _hidden(self, module, args, kwargs) -> None:
+        self.bytes += storage_bytes([args[0] if args else kwargs["hidden_states"]])
+
+    def _projection(self, module, args, output) -> None:
+        self.bytes += storage_bytes([output])
+
+    def remove(self) -> int:
+        for handle in self.handles:
+            handle.remove()
+        return self.bytes
+
+
 def unpacked_reference(model: torch.nn.Module, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle of a packed batch: every document run on its own (the unpacked run); logits put back
     where its tokens sit, the loss the token mean over every document's own next-token targets."""
@@ -80,22 +107,25 @@ def run(name: str, spec: str, out: str) -> None:
 
     ref_model = build(kind, window)
     ref_logits, ref_loss = unpacked_reference(ref_model, ids, pos) if packed else (None, None)
+    ref_inputs = 0
     if not packed:
+        counter = AttentionInputs(ref_model)
         out_ref = ref_model(input_ids=ids, labels=ids, position_ids=pos)
-        ref_logits, ref_loss = out_ref.logits, out_ref.loss
+        ref_logits, ref_loss, ref_inputs = out_ref.logits, out_ref.loss, counter.remove()
     ref_loss.backward()
 
     model = build(kind, window)
     layout = SequenceLayout(SEQ, n, opts.get("layout", "zigzag"))
     context = SequenceContext(None, layout, opts.get("scheme", "auto"))
-    try:
+    shard = shard_batch(ids, labels, layout, r, position_ids=pos)
+    context.doc = shard.doc
+    counter = AttentionInputs(model)
+    try:  # what the model cannot split is refused at setup or at the first attention call
         prepare_hf(model, context)
+        logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
     except ValueError as err:
         save_result({"spec": spec}, {"error": str(err)}, out, name)
         return
-    shard = shard_batch(ids, labels, layout, r, position_ids=pos)
-    context.doc = shard.doc
-    logits = model(input_ids=shard.input_ids, position_ids=shard.position_ids).logits
     loss = sequence_loss(logits, shard.shift_labels, None)
     loss.backward()
     mean_loss = loss.detach().clone()
@@ -109,7 +139,8 @@ def run(name: str, spec: str, out: str) -> None:
         worst = max(worst, tensor_rel(grad / n, q.grad))
     errors["grads"] = worst
     save_result({"spec": spec}, {"errors": errors, "packed_docs": shard.doc is not None,
-                                 "attn": model.config._attn_implementation}, out, name)
+                                 "attn": model.config._attn_implementation,
+                                 "attn_inputs": (counter.remove(), ref_inputs)}, out, name)
 
 
 

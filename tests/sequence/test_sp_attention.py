@@ -3,7 +3,9 @@ ring and Ulysses attention over 2 and 4 gloo ranks against attention over the wh
 the gradients of q, k and v, per rank, for the tokens each rank holds), then HF models built from configs,
 unmodified (Llama; Qwen2, whose attention has biased projections; Mistral, whose sliding window is refused
 when it is shorter than the sequence), one step under sequence parallelism against the same model on the
-whole sequence in one process: logits, loss and every gradient; packed rows against the unpacked run."""
+whole sequence in one process: logits, loss and every gradient; packed rows against the unpacked run; and
+memory counted by storage: what enters attention per rank (1/N of the one-process run's), what attention keeps
+for the backward and the key/value blocks the ring holds."""
 
 from __future__ import annotations
 
@@ -111,11 +113,17 @@ MODELS = {
     "mistral_window_covers": "model=mistral,window=64",
     "mistral_window_refused": "model=mistral,window=8",
 }
+MEMORY = {
+    "mem_ring_zigzag": "mem=1,impl=ring,layout=zigzag,seq=64",
+    "mem_ring_gqa": "mem=1,impl=ring,layout=contiguous,kv_heads=2,seq=64",
+    "mem_ulysses_zigzag": "mem=1,impl=ulysses,layout=zigzag,seq=64",
+    "mem_ulysses_gqa": "mem=1,impl=ulysses,layout=contiguous,kv_heads=2,seq=64",
+}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
 def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, {**RUNS, **MODELS}, timeout=900,
+    return run_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param, {**RUNS, **MODELS, **MEMORY}, timeout=900,
                       scenario="sequence.runs")
 
 
@@ -145,3 +153,36 @@ def test_hf_models_match_the_whole_sequence(ranks: dict[str, dict], name: str) -
 def test_sliding_window_shorter_than_the_sequence_is_refused(ranks: dict[str, dict]) -> None:
     for rec in ranks["mistral_window_refused"]["per_rank"]:
         assert "sliding-window attention (8 tokens) is not supported" in rec["error"]
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if "packed" not in n and not n.endswith("refused")])
+def test_attention_inputs_per_rank_are_one_nth(ranks: dict[str, dict], name: str) -> None:
+    """What enters attention (each layer's hidden states and q/k/v projections), counted by storage: with SP N
+    each rank holds exactly 1/N of the one-process run's bytes."""
+    per_rank = ranks[name]["per_rank"]
+    for rec in per_rank:
+        split, whole = rec["attn_inputs"]
+        assert whole > 0 and split * len(per_rank) == whole, (split, whole)
+
+
+@pytest.mark.parametrize("name", list(MEMORY))
+def test_attention_keeps_one_nth_plus_the_stated_buffers(ranks: dict[str, dict], name: str) -> None:
+    """The bytes autograd keeps for the backward of one attention against SDPA's causal attention over the whole
+    sequence on one process (q, k, v, output, log-sum-exp): ring attention keeps exactly 1/N (its own q, k, v,
+    out, lse: ring.py [Note: the ring]) and holds at most two received key/value blocks in the forward (the one
+    attended to and the one in flight; one with N = 2), two with their gradient accumulators in the backward;
+    Ulysses keeps 1/N plus what ulysses.py [Note: Ulysses] states: the repeats of grouped-query key/value heads
+    that do not divide by N, and the zigzag layout's permutation to position order (two int64 indices a token)."""
+    opts = dict(kv.split("=", 1) for kv in MEMORY[name].split(","))
+    per_rank = ranks[name]["per_rank"]
+    n, seq, heads, kv = len(per_rank), int(opts["seq"]), 4, int(opts.get("kv_heads", 4))
+    for rec in per_rank:
+        assert rec["ref_saved"] > 0
+        if opts["impl"] == "ring":
+            assert rec["saved"] * n == rec["ref_saved"]
+            assert rec["received_forward"] == min(n - 1, 2) * rec["kv_block"]
+            assert 0 < rec["received_backward"] <= 4 * rec["kv_block"]  # fp32 here: accumulators as large as k, v
+            continue
+        repeats = 2 * 2 * (heads - kv) * seq * 16 * 4 // n if kv % n else 0  # k and v, batch 2, head dim 16, fp32
+        permutation = 2 * 8 * seq if opts["layout"] == "zigzag" else 0
+        assert rec["saved"] <= rec["ref_saved"] // n + repeats + permutation, rec

@@ -9,6 +9,7 @@ import torch
 from lightning_zero.config import SequenceConfig
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.sequence.apply import split_batch
+from lightning_zero.sequence.batch import shard_batch
 from lightning_zero.sequence.context import SequenceContext
 from lightning_zero.sequence.layout import SequenceLayout
 
@@ -33,6 +34,17 @@ def test_each_rank_gets_its_tokens_shifted_labels_and_positions() -> None:
         # HF divides the summed loss by this: 13 real targets of the whole batch over 2 ranks
         assert float(out["num_items_in_batch"]) == pytest.approx(13 / 2)
         assert context.layout.seq_len == 8 and context.doc is None
+
+
+def test_the_shard_carries_the_target_count_of_the_whole_batch() -> None:
+    """Counted once, on the whole batch, by the split itself (every rank the same figure)."""
+    ids = torch.arange(16).view(2, 8)
+    labels = ids.clone()
+    labels[0, 3] = -100  # a target (position >= 1): not counted
+    labels[1, 0] = -100  # the first label is never a target after the shift: changes nothing
+    layout = SequenceLayout(8, 2, "zigzag")
+    assert [int(shard_batch(ids, labels, layout, r).targets) for r in (0, 1)] == [13, 13]
+    assert int(shard_batch(ids, None, layout, 0).targets) == 14
 
 
 def test_packed_rows_give_document_ids() -> None:

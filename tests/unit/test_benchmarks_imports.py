@@ -40,6 +40,17 @@ def test_shared_pieces_import_as_a_package() -> None:
     assert presets.PEERS and callable(overlap.comm_overlap)
 
 
+def test_every_benchmark_module_imports() -> None:
+    """Drivers and workers import their shared pieces (records.py, timing.py, comm_profile.py, peers_worker.py)
+    by name: a piece moved or renamed breaks here, not on the GPU machine. Importing runs nothing (each file
+    starts its work under ``if __name__ == "__main__"``)."""
+    import importlib
+
+    for path in BENCHMARKS:
+        module = importlib.import_module(f"benchmarks.{path.stem}")
+        assert module.__file__ is not None and Path(module.__file__).resolve() == path.resolve()
+
+
 def test_a_driver_runs_as_a_script_from_the_root() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/peers.py", "--help"], cwd=ROOT, env=user_env(),
                           capture_output=True, text=True, timeout=120)

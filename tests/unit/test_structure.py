@@ -1,4 +1,5 @@
-"""The shape of the package (issue #29): files stay small, nobody outside the engines asks which engine
+"""The shape of the package (issue #29): files stay small (the package, the example, the benchmarks and the
+tests alike), nobody outside the engines asks which engine
 class it holds (zero/engine.py [Note: events, not engine classes]), and the glue that replaced the
 ``ZeroCore`` mixin carries no ``type: ignore`` except where a third-party library's typing falls short.
 """
@@ -12,7 +13,11 @@ from pathlib import Path
 import lightning_zero
 
 PACKAGE = Path(lightning_zero.__file__).parent
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout (this file is tests/unit/test_structure.py)."""
 MAX_LINES = 600
+SOURCE_TREES = ("lightning_zero", "examples", "benchmarks", "tests")
+"""Where the 600-line limit holds: every ``.py`` file under these directories of the checkout."""
 ENGINE_HOMES = ("zero", "offload")
 """The only directories where engine classes may be told apart."""
 GLUE = ("apply.py", "engines.py", "environment.py", "strategy.py", "fabric/strategy.py", "fabric/checkpoint.py",
@@ -60,7 +65,10 @@ def test_no_engine_class_dispatch_outside_the_engines() -> None:
 
 
 def test_no_file_is_over_600_lines() -> None:
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    """Every Python file of the package, the example, the benchmarks and the tests (issue #29)."""
+    files = [p for top in SOURCE_TREES for p in (ROOT / top).rglob("*.py")]
+    assert len({p.relative_to(ROOT).parts[0] for p in files}) == len(SOURCE_TREES)  # each tree was found
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"split these by concept (at most {MAX_LINES} lines a file): {long}"
 
 

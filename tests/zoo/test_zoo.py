@@ -1,6 +1,6 @@
 """The model zoo under every ZeRO stage against Lightning's own ``ddp`` (2 gloo ranks, CPU, fp32).
 
-Acceptance checks, per model and stage (tests/zoo/models.py has the models):
+Acceptance checks, per model and stage (tests/zoo/models.py has the registry, one file per family beside it):
 
 * per-step losses within 1e-4 (relative) of ddp on every rank for STEPS steps, final weights (and
   rank 0's buffers) within 1e-4 relative norm per tensor, buffers (BatchNorm running statistics)

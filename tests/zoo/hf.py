@@ -1,0 +1,133 @@
+"""2-5. Hugging Face models built from configs (random weights, no download): GPT-2, Llama wrapped by peft
+LoRA (frozen base, tiny adapters), T5 (encoder/decoder, relative position bias), BERT masked LM."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, TensorDataset
+
+from tests.zoo.base import N_TRAIN, ZooModule, pattern_tokens, token_data
+
+
+class HFCausalLM(ZooModule):
+    """A causal LM from ``transformers`` (GPT-2, Llama; optionally wrapped by peft LoRA)."""
+
+    VOCAB, SEQ = 64, 16
+
+    def __init__(self, build: Callable[[], nn.Module], lr: float, blocks: Callable[[nn.Module], list[nn.Module]]) -> None:
+        super().__init__()
+        self.model = build()
+        self.lr = lr
+        self._blocks = blocks
+
+    def zoo_blocks(self) -> list[nn.Module]:
+        return self._blocks(self.model)
+
+    def train_data(self) -> Dataset:
+        return token_data(self.VOCAB, self.SEQ)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, _ = batch
+        out = self.model(input_ids=x, labels=x)  # HF shifts the labels itself
+        return self.record(out.loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
+
+
+def hf_gpt2() -> HFCausalLM:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=HFCausalLM.VOCAB, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    return HFCausalLM(lambda: GPT2LMHeadModel(cfg), lr=3e-3, blocks=lambda m: list(m.transformer.h))
+
+
+LLAMA_LAYERS = 12
+
+
+def _llama_lora() -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=HFCausalLM.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LLAMA_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0,
+    )
+    base = LlamaForCausalLM(cfg)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return get_peft_model(base, lora)
+
+
+def hf_llama_lora() -> HFCausalLM:
+    # PeftModel -> LoraModel (.base_model) -> LlamaForCausalLM (.model) -> LlamaModel (.model) -> layers
+    return HFCausalLM(_llama_lora, lr=1e-2, blocks=lambda m: list(m.base_model.model.model.layers))
+
+
+class HFT5(ZooModule):
+    """T5: encoder and decoder stacks, embeddings tied three ways, relative position bias passed on."""
+
+    VOCAB, SEQ = 64, 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(
+            vocab_size=self.VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+            relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+        )
+        self.model = T5ForConditionalGeneration(cfg)
+
+    def train_data(self) -> Dataset:
+        g = torch.Generator().manual_seed(4321)
+        src = torch.randint(2, self.VOCAB, (N_TRAIN, self.SEQ), generator=g)
+        return TensorDataset(src, src.flip(1).contiguous())  # learn to reverse the sequence
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        src, tgt = batch
+        return self.record(self.model(input_ids=src, labels=tgt).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+
+
+class HFBert(ZooModule):
+    """BERT masked LM (decoder weight tied to the word embeddings, token-type embeddings, no pooler)."""
+
+    VOCAB, SEQ, MASK_ID = 64, 16, 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForMaskedLM
+
+        cfg = BertConfig(
+            vocab_size=self.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        )
+        self.model = BertForMaskedLM(cfg)
+
+    def train_data(self) -> Dataset:
+        g = torch.Generator().manual_seed(777)
+        tokens = pattern_tokens(self.VOCAB, N_TRAIN, self.SEQ, seed=778, low=5)
+        masked = torch.rand(tokens.shape, generator=g) < 0.25
+        masked[:, 0] = True  # at least one prediction per row
+        inputs = torch.where(masked, torch.full_like(tokens, self.MASK_ID), tokens)
+        labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
+        return TensorDataset(inputs, labels)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, labels = batch
+        return self.record(self.model(input_ids=inputs, labels=labels).loss)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
