@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
-from lightning_zero.config import OffloadConfig, Stage3Config, StatePrecisionConfig
+from lightning_zero.config import OffloadConfig, QuantCommConfig, Stage3Config, StatePrecisionConfig
 from lightning_zero.engines import Engines, check_optimizers_own_their_params
 from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
@@ -52,6 +52,7 @@ from lightning_zero.zero.shard_comm import ShardComm, is_expert
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
 from lightning_zero.zero.stage3 import Stage3Engine
+from lightning_zero.zero.zeropp import HpzGroups
 
 ENGINES: dict[int, type[ZeroEngine]] = {0: ZeroEngine, 1: Stage1Engine, 2: Stage2Engine, 3: Stage3Engine}
 
@@ -134,6 +135,8 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
             "param_group": dims.dp_param_group,
             "stage3": config.piece(Stage3Config),
             "materialize": make_unit_materializer(module, device, getattr(module, "zero_init_module", None)),
+            "quant_comm": config.piece(QuantCommConfig),
+            "hpz": HpzGroups(dims.hpz_param_group, dims.hpz_grad_group, dims.hpz_cross_group) if dims.hierarchical else None,
         }
     if config.offloads:  # ZeRO-Offload / ZeRO-Infinity: the stage's engine with offload mixed in
         engine_cls = offload_engine(config.stage)

@@ -42,7 +42,7 @@ def init_process_groups(config: ZeroConfig, env: Optional[ClusterEnvironment], w
     and this job's groups (ParallelDims: data x pipeline x tensor x expert)."""
     reset_seed()
     dims = ParallelDims(world_size, global_rank, pp=config.pipeline_stages, tp=config.tensor_parallel,
-                        ep=config.expert_parallel, sp=config.sequence_parallel)
+                        ep=config.expert_parallel, sp=config.sequence_parallel, hpz=config.hpz_partition_size)
     backend = config.process_group_backend or _get_default_process_group_backend_for_device(device)
     if world_size > 1 or C.is_initialized():
         _init_dist_connection(env, backend, timeout=timedelta(seconds=config.timeout_s))

@@ -34,6 +34,15 @@ whole "dp" dim (dp x sp ranks in torchtitan's terms): gradients are averaged ove
 with the sequence loss (sequence/batch.py) gives the gradient of the global token mean. Only the sampler
 (``data_parallel`` replicas, ``data_rank``) and attention (``sp_group``) see the split; the mesh keeps its
 three dims.
+
+[Note: hpZ groups]
+ZeRO++'s hierarchical partition (``hpz`` > 1, config/quantization.py) splits the data-parallel ranks into
+``dp / hpz`` groups of ``hpz`` contiguous ranks (a node: ``dp_rank = node * hpz + local``), the
+``("replicate", "shard")`` layout of the "dp" dim: ``hpz_param_group`` holds a node's ranks, among which
+backward re-gathers each unit's secondary copy (stage 3, zero/zeropp.py); ``hpz_grad_group`` (same ranks)
+and ``hpz_cross_group`` (the ranks of equal ``local`` index, one per node) carry the two levels of the
+quantized gradient reduce-scatter. Plain groups beside the mesh, for the reason given for experts; none
+when ``hpz`` is 1 or the whole dp degree (plain stage 3).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ class ParallelDims:
     """Expert-parallel degree (a divisor of dp; see [Note: expert-parallel groups])."""
     sp: int = 1
     """Sequence-parallel degree (a divisor of dp; see [Note: sequence-parallel groups])."""
+    hpz: int = 1
+    """ZeRO++'s secondary partition size (a divisor of dp; see [Note: hpZ groups])."""
     mesh: Optional[Any] = field(default=None, repr=False)
     """The ``DeviceMesh`` (None in a single process without a default process group)."""
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
@@ -71,6 +82,9 @@ class ParallelDims:
     edp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     edp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     sp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    hpz_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    hpz_grad_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    hpz_cross_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("pp", "tp"):
@@ -97,6 +111,18 @@ class ParallelDims:
                 f"{self.world_size}): experts are split over groups of expert_parallel ranks, and every rank must "
                 "be in one. Change the number of devices or expert_parallel."
             )
+
+        if isinstance(self.hpz, bool) or not (isinstance(self.hpz, int) and self.hpz >= 1) or self.dp % self.hpz:
+            raise ValueError(
+                f"hpz_partition_size={self.hpz!r} does not divide the data-parallel degree {self.dp} (world size "
+                f"{self.world_size}): each secondary partition spans hpz_partition_size ranks (a node), and every rank "
+                "must be in one. Use the number of GPUs per node, or a divisor of it."
+            )
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether hpZ splits the data-parallel ranks ([Note: hpZ groups]; hpz 1 or dp: plain stage 3)."""
+        return 1 < self.hpz < self.dp
 
     @property
     def dp(self) -> int:
@@ -167,12 +193,28 @@ class ParallelDims:
                     self.dp_param_group = g
         if self.ep > 1:
             self._build_expert_groups(timeout_s)
+        if self.hierarchical:
+            self._build_hpz_groups(timeout_s)
         if self.sp > 1:
             dp_ranks = self.dp_ranks(self.pp_rank, self.tp_rank)
             for d in range(self.data_parallel):
                 g = C.new_group(dp_ranks[d * self.sp : (d + 1) * self.sp], timeout_s)
                 if d == self.data_rank:
                     self.sp_group = g
+
+    def _build_hpz_groups(self, timeout_s: Optional[float]) -> None:
+        """[Note: hpZ groups] (collective; pp = tp = 1, which the config enforces)."""
+        dp_ranks = self.dp_ranks(self.pp_rank, self.tp_rank)
+        node, local = divmod(self.dp_rank, self.hpz)
+        for kind in ("hpz_param_group", "hpz_grad_group"):
+            for n in range(self.dp // self.hpz):
+                g = C.new_group(dp_ranks[n * self.hpz : (n + 1) * self.hpz], timeout_s)
+                if n == node:
+                    setattr(self, kind, g)
+        for k in range(self.hpz):
+            g = C.new_group(dp_ranks[k :: self.hpz], timeout_s)
+            if k == local:
+                self.hpz_cross_group = g
 
     def _build_expert_groups(self, timeout_s: Optional[float]) -> None:
         """[Note: expert-parallel groups] (collective; pp = tp = 1, which the config enforces)."""

@@ -9,54 +9,193 @@ chunk per rank and quantizes each chunk on its own (its own scales); one all-to-
 ``j``, which dequantizes the ``N`` chunks it received in fp32 and sums them. Summing after dequantizing, in
 fp32, is what keeps the error from compounding: the result is within ``sum_r step_r / 2`` of the exact sum,
 the half-steps of the ``N`` contributions (DeepSpeed's qgZ reduces over two levels, intra- then inter-node,
-with the same dequantize-then-sum at each; one level here). Both return the bytes this rank sent, so a
-caller can count a step's traffic.
+with the same dequantize-then-sum at each: :func:`start_reduce_scatter_hierarchical`, whose second level
+re-quantizes the fp32 partial sums, so its error is one more set of half-steps, not a product). Each
+returns the bytes this rank sent (comm/traffic.py [Note: counting bytes sent]), so a caller can count a
+step's traffic.
+
+[Note: codes on the wire]
+A shard is quantized in whole blocks (its last block zero-padded), but only the codes of its real
+elements travel (``numel`` bytes in int8, ``ceil(numel / 2)`` in int4) with one fp32 scale per block; the
+receiver pads them back with zero codes. Stage 3's chunks are often smaller than one block, where the
+padding would otherwise cost more than the codes. A piece's scales and codes travel packed in one row of
+bytes, so each quantized collective is one exchange. The ``start_*`` forms are asynchronous: they launch
+the exchanges and return a :class:`QuantizedWork` whose ``wait`` dequantizes (and sums) once they are in,
+as the exact collectives' work handles let stage 3 overlap its gathers and reductions.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
-from lightning_zero.quant.blocks import QuantizedBlocks, dequantize, quantize
+from lightning_zero.quant.blocks import Q_MAX, _unpack_int4, quantize
 
 
-def _like(qb: QuantizedBlocks, codes: Tensor, scales: Tensor, shape: torch.Size) -> QuantizedBlocks:
-    return QuantizedBlocks(codes, scales, qb.bits, qb.block, shape, qb.dtype)
+def code_bytes(numel: int, bits: int) -> int:
+    """Bytes of the codes of ``numel`` elements on the wire ([Note: codes on the wire])."""
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def quantized_nbytes(numel: int, bits: int, block: int) -> int:
+    """Bytes one quantized piece of ``numel`` elements takes on the wire: codes and fp32 scales (one packed
+    row of :func:`_quantize_rows`)."""
+    return code_bytes(numel, bits) + math.ceil(numel / block) * 4
+
+
+class QuantizedWork:
+    """A launched quantized collective. ``wait`` waits for its exchanges and finishes it (dequantize,
+    and sum for reductions) once; ``result`` is then what it produced (None for gathers into ``out``).
+    ``nbytes``: what this rank sends, known at launch; ``levels``: the same per level of a hierarchy."""
+
+    def __init__(self, works: list[Any], finish: Callable[[], Optional[Tensor]], levels: tuple[int, ...]) -> None:
+        self._works = works
+        self._finish: Optional[Callable[[], Optional[Tensor]]] = finish
+        self.levels = levels
+        self.nbytes = sum(levels)
+        self.result: Optional[Tensor] = None
+
+    def wait(self) -> bool:
+        if self._finish is not None:
+            for w in self._works:
+                w.wait()
+            finish, self._finish = self._finish, None
+            self.result = finish()
+        return True
+
+
+def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+    """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
+    its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
+    both. Flat, ``n x quantized_nbytes(numel, ...)``."""
+    n, numel = rows.shape
+    pad = (-numel) % block
+    padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
+    qb = quantize(padded, bits=bits, block=block)
+    nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
+    packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
+    packed[:, : nb * 4] = qb.scales.view(n, nb).view(torch.uint8)
+    packed[:, nb * 4 :] = qb.codes.view(n, -1)[:, :wire].view(torch.uint8)
+    return packed.view(-1)
+
+
+def _dequantize_rows(packed: Tensor, n: int, numel: int, bits: int, block: int) -> Tensor:
+    """fp32 ``[n, numel]`` from ``n`` packed rows (inverse of :func:`_quantize_rows`)."""
+    nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
+    rows = packed.view(n, nb * 4 + wire)
+    scales = torch.empty(n, nb * 4, dtype=torch.uint8, device=packed.device)  # fresh: 4-byte aligned rows
+    scales = scales.copy_(rows[:, : nb * 4]).view(torch.float32)
+    per_row = nb * block // (1 if bits == 8 else 2)
+    codes = rows[:, nb * 4 :]
+    if wire < per_row:  # the last block's padding comes back as zero codes
+        codes = torch.zeros(n, per_row, dtype=torch.uint8, device=packed.device)
+        codes[:, :wire] = rows[:, nb * 4 :]
+    q = _unpack_int4(codes.reshape(-1)) if bits == 4 else codes.view(torch.int8)
+    values = q.view(n, nb, block) * scales.view(n, nb, 1)  # int8 x fp32: fp32 in one pass
+    return values.view(n, -1)[:, :numel]
+
+
+def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
+                     block: int = 2048) -> QuantizedWork:
+    """Launch the quantized all-gather of every rank's equal ``shard`` into ``out`` (flat, rank order,
+    ``n x shard.numel()`` elements, any float dtype); ``wait`` dequantizes into it."""
+    n = C.world_size(group)
+    numel = shard.numel()
+    mine = _quantize_rows(shard.reshape(1, -1), bits, block)
+    every = torch.empty(n * mine.numel(), dtype=torch.uint8, device=shard.device)
+    work = C.all_gather(every, mine, group, async_op=True)
+
+    def finish() -> None:
+        out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
+        return None
+
+    return QuantizedWork([work], finish, ((n - 1) * mine.numel(),))
+
+
+def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
+                         block: int = 2048) -> QuantizedWork:
+    """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
+    all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
+    ranks in ``result``, fp32, summed from the dequantized contributions in rank order."""
+    n = C.world_size(group)
+    flat = full.reshape(-1)
+    if flat.numel() % n:
+        raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
+    m = flat.numel() // n
+    packed = _quantize_rows(flat.view(n, m), bits, block)
+    received = torch.empty_like(packed)
+    work = C.all_to_all(received, packed, group, async_op=True)
+
+    def finish() -> Tensor:
+        return _dequantize_rows(received, n, m, bits, block).sum(0)
+
+    return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
+
+
+class TwoLevelWork(QuantizedWork):
+    """:func:`start_reduce_scatter_hierarchical`'s handle: the inner level in flight, the outer one launched by
+    :meth:`advance` (or ``wait``), which needs the inner sums."""
+
+    def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
+                 levels: tuple[int, ...]) -> None:
+        super().__init__([], self._finish_both, levels)
+        self._first, self._outer, self._bits, self._block = first, outer, bits, block
+        self._second: Optional[QuantizedWork] = None
+
+    def advance(self) -> None:
+        """Finish the inner level and launch the outer one. A collective on the outer group: every rank of
+        it must advance its works in the same order (the launch order)."""
+        if self._second is None:
+            self._first.wait()
+            self._second = start_reduce_scatter(self._first.result, self._outer, self._bits, self._block)  # type: ignore[arg-type]
+
+    def _finish_both(self) -> Optional[Tensor]:
+        self.advance()
+        assert self._second is not None
+        self._second.wait()
+        return self._second.result
+
+
+def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
+                                      bits: int = 8, block: int = 2048) -> TwoLevelWork:
+    """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
+    ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
+    the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
+    re-quantized and exchanged across nodes. ``result`` (fp32) is this rank's chunk ``node * h + local`` of
+    the sum, as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
+    ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
+    every rank."""
+    h, k = C.world_size(inner), C.world_size(outer)
+    flat = full.reshape(-1)
+    if flat.numel() % (h * k):
+        raise ValueError(f"{flat.numel()} elements do not split into {h * k} equal chunks")
+    m = flat.numel() // (h * k)
+    arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
+    first = start_reduce_scatter(arranged, inner, bits, block)
+    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)))
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
     """Every rank's equal ``shard`` concatenated (flat, rank order) from their quantized form; returns the
     result in ``shard``'s dtype and the bytes this rank sent."""
-    n = C.world_size(group)
-    qb = quantize(shard, bits=bits, block=block)
-    codes = torch.empty(n * qb.codes.numel(), dtype=qb.codes.dtype, device=shard.device)
-    scales = torch.empty(n * qb.scales.numel(), dtype=torch.float32, device=shard.device)
-    C.all_gather(codes, qb.codes, group)
-    C.all_gather(scales, qb.scales, group)
-    parts = [dequantize(_like(qb, c, s, shard.shape)).reshape(-1)
-             for c, s in zip(codes.chunk(n), scales.chunk(n))]
-    return torch.cat(parts), qb.nbytes * (n - 1)
+    out = torch.empty(C.world_size(group) * shard.numel(), dtype=shard.dtype, device=shard.device)
+    work = start_all_gather(out, shard, group, bits, block)
+    work.wait()
+    return out, work.nbytes
 
 
 def reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
     """This rank's chunk of the sum over ranks of ``full`` (flat, ``numel`` divisible by the group size),
     summed in fp32 from quantized contributions; returns it in ``full``'s dtype and the bytes sent."""
-    n, r = C.world_size(group), C.rank(group)
-    flat = full.reshape(-1)
-    if flat.numel() % n:
-        raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
-    chunks = [quantize(c, bits=bits, block=block) for c in flat.chunk(n)]
-    codes_in = torch.cat([q.codes for q in chunks])
-    scales_in = torch.cat([q.scales for q in chunks])
-    codes_out, scales_out = torch.empty_like(codes_in), torch.empty_like(scales_in)
-    C.all_to_all(codes_out, codes_in, group)
-    C.all_to_all(scales_out, scales_in, group)
-    total = torch.zeros(flat.numel() // n, dtype=torch.float32, device=full.device)
-    for c, s in zip(codes_out.chunk(n), scales_out.chunk(n)):
-        total += dequantize(_like(chunks[0], c, s, chunks[0].shape)).float().reshape(-1)
-    sent = sum(q.nbytes for i, q in enumerate(chunks) if i != r)
-    return total.to(full.dtype), sent
+    work = start_reduce_scatter(full, group, bits, block)
+    work.wait()
+    return work.result.to(full.dtype), work.nbytes  # type: ignore[union-attr]
+
+
+__all__ = ["Q_MAX", "QuantizedWork", "TwoLevelWork", "all_gather", "code_bytes", "quantized_nbytes", "reduce_scatter",
+           "start_all_gather", "start_reduce_scatter", "start_reduce_scatter_hierarchical"]

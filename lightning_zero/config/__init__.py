@@ -11,6 +11,7 @@ from lightning_zero.config.compile import CompileConfig
 from lightning_zero.config.launch import LaunchConfig
 from lightning_zero.config.offload import OffloadConfig
 from lightning_zero.config.parallel import ParallelConfig
+from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.config.state_precision import StatePrecisionConfig
@@ -20,5 +21,5 @@ from lightning_zero.config.strategy import SECTIONS, VALID_STAGES, LossScaleConf
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "StageConfig", "Stage3Config", "OffloadConfig",
     "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig", "ParallelConfig", "LaunchConfig", "SequenceConfig",
-    "StatePrecisionConfig",
+    "QuantCommConfig", "StatePrecisionConfig",
 ]

@@ -30,6 +30,7 @@ from lightning_zero.config.compile import COMPILE_ARGS, CompileConfig
 from lightning_zero.config.launch import LaunchConfig
 from lightning_zero.config.offload import VALID_OFFLOAD, OffloadConfig
 from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
+from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.config.state_precision import StatePrecisionConfig
@@ -63,7 +64,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig, SequenceConfig, StatePrecisionConfig,
+    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, StatePrecisionConfig,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -76,7 +77,7 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(StatePrecisionConfig, SequenceConfig, LaunchConfig,
+class ZeroConfig(StatePrecisionConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
                  ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
@@ -121,6 +122,7 @@ class ZeroConfig(StatePrecisionConfig, SequenceConfig, LaunchConfig,
                     raise ValueError(f"sequence_parallel={self.sequence_parallel} with {name}={value} is not built yet.")
             if self.compile:
                 raise ValueError(f"sequence_parallel={self.sequence_parallel} with compile is not built yet.")
+        self._validate_zeropp()
         if self.expert_parallel > 1 and self.offloads:
             raise ValueError(f"expert_parallel={self.expert_parallel} with offload_optimizer/offload_params is not built yet.")
         OffloadConfig.validate_choices(self)
@@ -142,6 +144,26 @@ class ZeroConfig(StatePrecisionConfig, SequenceConfig, LaunchConfig,
                 f"{self.stage}, offload_optimizer={self.offload_optimizer!r}): it is the layout of the device "
                 "partition; offloaded states take offload_state_precision."
             )
+
+    def _validate_zeropp(self) -> None:
+        """ZeRO++ (config/quantization.py) is a stage-3 feature, built for data parallelism alone."""
+        q = QuantCommConfig(**{f.name: getattr(self, f.name) for f in fields(QuantCommConfig)})  # normalised
+        if not q.zeropp:
+            return
+        on = {name: getattr(q, name) for name in ("quantized_weights", "quantized_gradients", "hpz_partition_size")
+              if getattr(q, name) not in (False, 1) or isinstance(getattr(q, name), str)}
+        what = ", ".join(f"{k}={v!r}" for k, v in on.items())
+        if self.stage != 3:
+            raise ValueError(f"{what} needs stage=3: ZeRO++ quantizes stage 3's parameter gathers and gradient "
+                             f"reduce-scatters (got stage={self.stage}).")
+        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
+                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
+        for name, value in others.items():
+            if value > 1:
+                raise ValueError(f"{what} with {name}={value} is not built yet.")
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) != "none":
+                raise ValueError(f"{what} with {name}={getattr(self, name)!r} is not built yet.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ZeroConfig":
@@ -196,6 +218,6 @@ def config_field_names() -> list[str]:
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "config_field_names", "StageConfig",
     "Stage3Config", "OffloadConfig", "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig",
-    "ParallelConfig", "LaunchConfig", "StatePrecisionConfig",
+    "ParallelConfig", "LaunchConfig", "QuantCommConfig", "StatePrecisionConfig",
     "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
 ]

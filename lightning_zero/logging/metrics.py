@@ -122,6 +122,24 @@ def communication_metrics(optimizers: Sequence[Any]) -> dict[str, float]:
     return out
 
 
+def stage3_traffic(strategy: Any) -> dict[str, int]:
+    """Bytes this rank's stage-3 engines have sent so far, by label (``param_gather``, ``grad_reduce``, ...;
+    lightning_zero/zero/zeropp.py), summed over engines; empty for other strategies and stages."""
+    out: dict[str, int] = {}
+    for engine in getattr(strategy, "engines", None) or []:
+        for label, nbytes in engine.bytes_sent().items():
+            out[label] = out.get(label, 0) + int(nbytes)
+    return out
+
+
+def traffic_metrics(now: Mapping[str, int], before: Mapping[str, int], steps: int) -> dict[str, float]:
+    """``comm/<label>_bytes_per_step``: what stage 3's gathers and reductions sent per optimizer step over a
+    logging window (ZeRO++'s quantized collectives show up here as fewer bytes)."""
+    if steps <= 0:
+        return {}
+    return {f"comm/{label}_bytes_per_step": (nbytes - before.get(label, 0)) / steps for label, nbytes in now.items()}
+
+
 def count_tokens(batch: Any) -> int:
     """Tokens in a batch: the element count of its first tensor (the (batch, time) input ids)."""
     if isinstance(batch, torch.Tensor):
@@ -156,6 +174,8 @@ class ZeroMetrics(Callback):
     ``pipeline/bubble_measured_stage`` (the logging rank's stage, i.e. the first). Optimizers with
     ``comm_stats`` (1-bit Adam/LAMB): their statistics, e.g. ``onebit/bytes_sent`` (compressed) beside
     ``onebit/bytes_16bit_allreduce`` (uncompressed) and ``onebit/phase`` (0 warm-up, 1 compressed).
+    Stage 3: ``comm/<label>_bytes_per_step``, the bytes this rank's parameter gathers and gradient
+    reductions sent (:func:`traffic_metrics`; ZeRO++'s quantized ones included).
     Values come from rank 0 (Lightning's loggers write only there). The loss is logged by the
     LightningModule.
 
@@ -192,6 +212,7 @@ class ZeroMetrics(Callback):
         self._pause_start: Optional[float] = None
         self._paused = 0.0
         self._fallback_grad_norm: Optional[float] = None
+        self._window_traffic: dict[str, int] = {}
 
     # ------------------------------------------------------------------ events
 
@@ -243,6 +264,7 @@ class ZeroMetrics(Callback):
         metrics.update(self._performance_metrics(trainer, step))
         metrics.update(pipeline_metrics(trainer.strategy))
         metrics.update(communication_metrics(trainer.optimizers))
+        metrics.update(traffic_metrics(stage3_traffic(trainer.strategy), self._window_traffic, step - self._window_step))
         # Label with the step the LightningModule's self.log uses for this batch (Lightning's own
         # LearningRateMonitor does the same), so the loss and these metrics line up in TensorBoard.
         log_step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", step)
@@ -277,6 +299,7 @@ class ZeroMetrics(Callback):
         self._window_step = trainer.global_step
         self._window_tokens = 0
         self._paused = 0.0
+        self._window_traffic = stage3_traffic(trainer.strategy)
 
     def _training_metrics(self, trainer: Trainer) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -325,5 +348,5 @@ class ZeroMetrics(Callback):
 
 __all__ = [
     "ZeroMetrics", "PEAK_BF16_FLOPS", "peak_bf16_flops", "achieved_flops", "count_tokens", "peak_host_rss_bytes",
-    "data_parallel_size", "pipeline_metrics", "communication_metrics",
+    "data_parallel_size", "pipeline_metrics", "communication_metrics", "stage3_traffic", "traffic_metrics",
 ]

@@ -14,12 +14,15 @@ two's-complement nibbles; the wire size per element is then 1 byte (int8) or hal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 Q_MAX = {8: 127, 4: 7}
+_EXACT_IN_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+"""Dtypes whose values fp32 holds exactly (others are converted to fp32 first, as the format defines)."""
 
 
 @dataclass
@@ -59,13 +62,20 @@ def quantize(x: Tensor, bits: int = 8, block: int = 2048) -> QuantizedBlocks:
         raise ValueError(f"bits must be one of {sorted(Q_MAX)}, got {bits}")
     if block < 2 or block % 2:
         raise ValueError(f"block must be an even number >= 2, got {block}")
-    flat = x.detach().reshape(-1).float()
+    flat = x.detach().reshape(-1)
+    if flat.dtype not in _EXACT_IN_FP32:
+        flat = flat.float()
     pad = (-flat.numel()) % block
-    blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    blocks = flat.view(-1, block)
     q_max = Q_MAX[bits]
-    scales = blocks.abs().amax(dim=1) / q_max
+    # [Note: few passes] one reading pass for the scales (the inf-norm: max |x|, NaN-propagating, no |x|
+    # temporary), one for the division (a 16-bit input promotes to fp32 in it: the same values as a copy to
+    # fp32 first), then rounding and clamping in place: stage 3 quantizes every gathered unit and gradient.
+    scales = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1, dtype=torch.float32) / q_max
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(blocks / safe[:, None]).clamp_(-q_max, q_max).to(torch.int8).view(-1)
+    q = (blocks / safe[:, None]).round_().clamp_(-q_max, q_max).to(torch.int8).view(-1)
     codes = _pack_int4(q) if bits == 4 else q
     return QuantizedBlocks(codes, scales, bits, block, x.shape, x.dtype)
 
@@ -73,5 +83,5 @@ def quantize(x: Tensor, bits: int = 8, block: int = 2048) -> QuantizedBlocks:
 def dequantize(qb: QuantizedBlocks) -> Tensor:
     """The tensor ``qb`` stands for, in its original dtype and shape."""
     q = _unpack_int4(qb.codes) if qb.bits == 4 else qb.codes
-    values = (q.view(-1, qb.block).float() * qb.scales[:, None]).view(-1)
+    values = (q.view(-1, qb.block) * qb.scales[:, None]).view(-1)  # int8 x fp32: fp32 in one pass
     return values[: qb.shape.numel()].view(qb.shape).to(qb.dtype)

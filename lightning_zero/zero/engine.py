@@ -579,6 +579,11 @@ class ZeroEngine:
         """Parameters whose storage is released between uses (stage 3 only)."""
         return []
 
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank's parameter gathers and gradient reductions have sent so far, by label (stage 3
+        counts them: zeropp.py); empty here."""
+        return {}
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (for memory reports)."""
         total = 0

@@ -41,6 +41,9 @@ collectives. Two groups keep each ordering consistent and let NCCL overlap the t
 Under ``torch.utils.checkpoint`` a unit's forward runs again inside backward. Its pre-hook then
 gathers (if the backward pre-hook has not already) and its post-hook must not release: the
 recomputed activations are consumed by the backward that follows. ``_in_backward`` tells these apart.
+
+ZeRO++ (quantized gathers and reductions, hpZ's secondary copies) goes through ``self.zpp``, which also
+counts every gather's and reduction's bytes: zeropp.py [Note: ZeRO++ in stage 3].
 """
 
 from __future__ import annotations
@@ -52,14 +55,17 @@ import torch
 from torch import Tensor, nn
 from torch.nn import Parameter
 
-from lightning_zero.comm import collectives as C
+from lightning_zero.comm.traffic import Traffic
+from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.parallel.dtensor import local_tensor, point_local
+from lightning_zero.zero.engine import _Pending
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
 from lightning_zero.zero.stage2 import Stage2Engine
 from lightning_zero.zero.units import ROOT, Unit, assign_params, find_units
+from lightning_zero.zero.zeropp import ZeroPP
 
 
 def _in_backward() -> bool:
@@ -124,6 +130,14 @@ class Stage3Engine(Stage2Engine):
         self.max_live = int(cfg.max_live_parameters)
         threshold = int(cfg.param_persistence_threshold)
         materialize = opts.get("materialize")
+        self.traffic = Traffic()
+        """Bytes this rank's gathers and gradient reductions sent, by label (zeropp.py)."""
+        quant: QuantCommConfig = opts.get("quant_comm") or QuantCommConfig()  # type: ignore[assignment]
+        self.zpp = ZeroPP(quant, opts.get("hpz"), self.traffic)  # type: ignore[arg-type]
+        self._secondary_due: dict[int, list] = {}
+        """Units gathered in a grad-enabled forward whose hpZ copies are taken once the gather is in."""
+        self._inexact: set[int] = set()
+        """Gathered units holding quantized (qwZ) values."""
         self.units: list[Unit] = find_units(module, cfg.unit_policy)
         per_group = self._trainable_groups()
         frozen: list[Parameter] = list(opts.get("frozen_params", ()))  # type: ignore[call-overload]
@@ -196,16 +210,28 @@ class Stage3Engine(Stage2Engine):
                 self.gather(unit)
 
     # ---------------------------------------------------------------- gather / release
-    def gather(self, unit: Unit, wait: bool = True) -> None:
-        """All-gather ``unit`` (collective on the parameter group; every rank calls it in the same order)."""
+    def gather(self, unit: Unit, wait: bool = True, exact: bool = False) -> None:
+        """All-gather ``unit`` (collective on the parameter group; every rank calls it in the same order);
+        quantized under qwZ unless ``exact``, from hpZ's copies where forward kept them (zeropp.py)."""
         if unit.index not in self._gathered:
-            works = []
+            works, pieces = [], []
+            exact = exact or unit.persistent
+            secondary = not exact and self.zpp.has_secondary(unit.index)
             for gi, bi in unit.buckets:
                 fg = self.all_groups[gi]
                 if fg.aliased:  # sharded_group.py [Note: one rank aliases its partition]
                     continue
                 buf = fg.allocate(bi)
-                works.append(C.all_gather(buf, self._gather_source(gi, bi), self._gather_groups[gi], async_op=True))
+                if secondary:
+                    works.append(self.zpp.gather_secondary(buf, (gi, bi)))
+                else:
+                    works.append(self.zpp.gather(buf, self._gather_source(gi, bi), self._gather_groups[gi], exact))
+                pieces.append(((gi, bi), buf))
+            if (pieces and not exact and not secondary and self.zpp.keeps_secondaries and torch.is_grad_enabled()
+                    and not _in_backward() and not unit.held_for_step):
+                self._secondary_due[unit.index] = pieces
+            if pieces and not exact and self.zpp.weight_bits is not None:
+                self._inexact.add(unit.index)
             self._pending[unit.index] = works
             self._gathered.add(unit.index)
             self.live_numel += unit.numel
@@ -225,6 +251,9 @@ class Stage3Engine(Stage2Engine):
             for w in works:
                 w.wait()
             self._versions[unit.index] = [p._version for p in unit.params]
+        due = self._secondary_due.pop(unit.index, None)
+        if due is not None:
+            self.zpp.keep_secondary(unit.index, due)
 
     def release(self, unit: Unit, force: bool = False) -> None:
         """Free the unit's full buffers; persistent and resident units only when ``force``d."""
@@ -235,6 +264,7 @@ class Stage3Engine(Stage2Engine):
         for gi, bi in unit.buckets:
             self.all_groups[gi].free(bi)
         self._gathered.discard(unit.index)
+        self._inexact.discard(unit.index)
         self._versions.pop(unit.index, None)
         self.live_numel -= unit.numel
 
@@ -367,6 +397,21 @@ class Stage3Engine(Stage2Engine):
         if self._grads_left[idx] == 0 and not unit.held_for_step and idx not in self._frozen_units:
             self.release(unit)  # units holding frozen weights: released by _unit_backward_done
 
+    def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Any = None) -> _Pending:
+        """qgZ's quantized reduce-scatter, or stage 1's exact one, counted (zeropp.py)."""
+        comm, fg = self.comms[gi], self.groups[gi]
+        if not self.zpp.quantizes_gradients or comm.size == 1:
+            self.zpp.count_exact_reduce(fg.layout.buckets[bi].chunk, bucket.element_size(), comm.size)
+            return super()._reduce_scatter_into_shard(gi, bi, bucket, after)
+        work = self.zpp.start_reduce_scatter(bucket, comm.group)
+
+        def finalize() -> None:
+            fg.add_to_grad_shard(bi, work.result.div_(self.dp_size))  # type: ignore[union-attr]  # fp32 sum
+            if after is not None:
+                after()
+
+        return _Pending(work, finalize)
+
     # ---------------------------------------------------------------- step boundaries
     def inner_units(self) -> Optional[list[Unit]]:
         return self.units[1:]
@@ -401,6 +446,7 @@ class Stage3Engine(Stage2Engine):
 
     def post_backward(self) -> None:
         super().post_backward()
+        self.zpp.drop_secondaries()
         self._grads_left = {}
         if self.order and not self._order_frozen:
             self._order_frozen = True
@@ -416,6 +462,7 @@ class Stage3Engine(Stage2Engine):
 
     def _write_back(self) -> None:
         self._refresh_shards()
+        self.zpp.drop_secondaries()
         for unit in self.units:
             if unit.held_for_step:
                 self.release(unit, force=True)
@@ -435,7 +482,9 @@ class Stage3Engine(Stage2Engine):
         units = [u for u in self.units if u.buckets and (module is None or any(id(p) in wanted for p in u.params))]
         already = {u.index for u in units if u.index in self._gathered}
         for u in units:
-            self.gather(u)
+            if u.index in self._inexact:  # qwZ's quantized copy: user code reads and writes back exact values
+                self.release(u, force=True)
+            self.gather(u, exact=True)
         try:
             yield
         finally:
@@ -469,6 +518,9 @@ class Stage3Engine(Stage2Engine):
         if frozen:
             out += [fg.master for fg in self.frozen_groups]
         return out
+
+    def bytes_sent(self) -> dict[str, int]:
+        return self.traffic.snapshot()
 
     def install_module_hooks(self) -> None:
         """Forward pre/post hooks on every unit (again after ``remove_hooks``, for validate/test/predict)."""
@@ -506,6 +558,9 @@ class Stage3Engine(Stage2Engine):
                 point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone())
         self._gathered.clear()
         self._pending.clear()
+        self._inexact.clear()
+        self._secondary_due.clear()
+        self.zpp.drop_secondaries()
 
 
 def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:

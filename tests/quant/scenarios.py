@@ -41,6 +41,47 @@ def collectives(ctx: ScenarioContext) -> dict:
                 "ag_sent": sent, "rs_sent": rs_sent,
                 "exact_ag_bytes": shard.numel() * 2 * (n - 1), "exact_rs_bytes": full.numel() // n * 2 * (n - 1),
             }
+        if n == 4:
+            out["hier"] = _hierarchical(r, n)
         return out
     finally:
         dist.destroy_process_group()
+
+
+def _hierarchical(r: int, n: int, h: int = 2, bits: int = 4, block: int = 32) -> dict:
+    """The two-level reduce-scatter (nodes of ``h`` ranks) against the exact sum: within the level-1 half-steps
+    of the ``n`` contributions plus the level-2 half-steps of the ``n / h`` re-quantized node sums (computed
+    here from every rank's input, gathered, with the level-1 bound added to each block's maximum)."""
+    k = n // h
+    inner = [dist.new_group(list(range(q * h, (q + 1) * h))) for q in range(k)][r // h]
+    outer = [dist.new_group(list(range(l, n, h))) for l in range(h)][r % h]
+    m = 96  # a multiple of the block: level 1's blocks then cover one chunk each, as the flat bound assumes
+    full = torch.randn(n * m, generator=torch.Generator().manual_seed(7 + r)) * (1 + r % 3)
+    every = torch.zeros(n, n * m)
+    dist.all_gather_into_tensor(every.view(-1), full)
+    work = quantized.start_reduce_scatter_hierarchical(full, inner, outer, bits=bits, block=block)
+    work.wait()
+    q_max = {8: 127, 4: 7}[bits]
+    half = lambda t: t.view(-1, block).abs().amax(-1).repeat_interleave(block) / q_max / 2  # noqa: E731
+    chunks = every.view(n, n, m)  # [source rank, chunk, element]
+    node, local = divmod(r, h)
+    bound = sum(half(chunks[j, r]) for j in range(n))  # level 1: every contribution's half-step
+    for q2 in range(k):  # level 2: node q2's partial sum of this rank's chunk, re-quantized
+        members = range(q2 * h, (q2 + 1) * h)
+        partial = sum(chunks[j, r] for j in members)
+        slack = sum(half(chunks[j, r]) for j in members)
+        bound = bound + (partial.abs().view(-1, block).amax(-1).repeat_interleave(block) + slack.view(-1, block).amax(-1)
+                         .repeat_interleave(block)) / q_max / 2
+    exact = chunks[:, r].sum(0)
+    err = (work.result - exact).abs()
+    flat_bytes = (n - 1) * quantized.quantized_nbytes(m, bits, block)
+    return {"ok": bool((err <= bound + 1e-5).all()), "err": float(err.max()), "levels": work.levels,
+            "flat_bytes": flat_bytes, "node": node, "local": local}
+
+
+@scenario("quant.zeropp")
+def zeropp(ctx: ScenarioContext) -> None:
+    """``runs``: ``{name: "gpt|llama[:qw=..,qg=..,hpz=..]"}`` (tests/quant/zeropp_runs.py); rank 0 writes OUT/<name>.pt."""
+    from tests.quant.zeropp_runs import run_all
+
+    run_all(ctx.params["runs"], str(ctx.out))

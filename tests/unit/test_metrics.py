@@ -24,7 +24,8 @@ from gpt import GPTConfig, GPTModule, flops_per_token  # noqa: E402
 
 from lightning_zero.logging import ZeroMetrics, peak_bf16_flops  # noqa: E402
 from lightning_zero.logging.metrics import (  # noqa: E402
-    achieved_flops, communication_metrics, count_tokens, data_parallel_size, pipeline_metrics,
+    achieved_flops, communication_metrics, count_tokens, data_parallel_size, pipeline_metrics, stage3_traffic,
+    traffic_metrics,
 )
 
 TINY = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=16, seq_len=16)
@@ -214,3 +215,20 @@ def test_count_tokens() -> None:
         count_tokens(3)
     with pytest.raises(ValueError):
         ZeroMetrics(log_every_n_steps=0)
+
+
+def test_stage3_traffic_is_logged_per_step() -> None:
+    """Bytes the stage-3 engines counted (zero/zeropp.py), summed over engines, per step of a logging window."""
+    from lightning_zero.comm.traffic import Traffic
+
+    a, b = Traffic(), Traffic()
+    a.add("param_gather", 100)
+    b.add("param_gather", 20)
+    b.add("grad_reduce", 30)
+    strategy = SimpleNamespace(engines=[SimpleNamespace(bytes_sent=a.snapshot), SimpleNamespace(bytes_sent=b.snapshot),
+                                        SimpleNamespace(bytes_sent=dict)])  # the last: an engine below stage 3
+    now = stage3_traffic(strategy)
+    assert now == {"param_gather": 120, "grad_reduce": 30}
+    assert traffic_metrics(now, {"param_gather": 20}, 2) == {"comm/param_gather_bytes_per_step": 50.0,
+                                                             "comm/grad_reduce_bytes_per_step": 15.0}
+    assert stage3_traffic(SimpleNamespace()) == {} and traffic_metrics(now, {}, 0) == {}
