@@ -6,7 +6,7 @@ Spec ``KIND:key=value,...``; keys: stage, sp (state_precision), every (ParityNet
 n / 8 steps in two epochs), val (validation batches per epoch; a checkpoint saved at a train epoch end of
 a run without validation resumes one micro-batch out of step with its accumulation window, under Lightning's
 own ddp too: the checkpoint runs validate), precision (default bf16-mixed), gs (grad_shard_precision), acc
-(accumulate_grad_batches, default 2). Kinds:
+(accumulate_grad_batches, default 2), zpp (ZeRO++'s int8 qwZ and qgZ, stage 3). Kinds:
 
 - ``train``: 6 optimizer steps (accumulation 2, clipping, ParityNet's LR schedule), recording the bytes of
   this rank's partition by storage and, for 16-bit states, :class:`Oracle`'s step-by-step comparison;
@@ -158,6 +158,7 @@ def make_trainer(opts: dict[str, str], max_steps: int, callbacks: list) -> pl.Tr
     strategy = lightning_zero.ZeroStrategy(
         stage=stage, bucket_size_mb=0.002, state_precision=opts["sp"], checkpoint_format=opts.get("ckpt", "sharded"),
         grad_shard_precision=opts.get("gs", "fp32"),
+        **({"quantized_weights": "int8", "quantized_gradients": "int8", "quant_block_size": 64} if "zpp" in opts else {}),
         **({"param_persistence_threshold": 0} if stage == 3 else {}),
     )
     return pl.Trainer(
