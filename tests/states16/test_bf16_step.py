@@ -8,6 +8,7 @@ the gradient dtype, the loss-scale/clip coefficient or the global offset (past 2
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import pytest
@@ -96,3 +97,11 @@ def test_loaded_weights_drop_the_old_kahan_word() -> None:
     zsd.load_master_params(engine, {id(p): torch.ones_like(p) * 0.5 for p in net.parameters()})
     assert torch.equal(comp, torch.zeros_like(comp)) and engine.optimizer.state[fg.master][COMP_KEY] is comp
     assert torch.equal(net.weight.float(), torch.full((4, 8), 0.5))
+
+
+def test_setup_logs_the_state_layout(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        Stage1Engine(torch.optim.AdamW(nn.Linear(4, 3).parameters()), None, torch.bfloat16, torch.device("cpu"), 64,
+                     states=StatePrecisionConfig("bf16_sr", grad_shard_precision="bf16"))
+    line = next(r.getMessage() for r in caplog.records if "lightning_zero: ZeRO-1" in r.getMessage())
+    assert "bf16_sr" in line and "6 bytes per parameter" in line and "reduced gradients in bf16" in line
