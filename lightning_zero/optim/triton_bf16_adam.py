@@ -69,15 +69,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n", "offset", "key"])  # a key of 1 must not become a constexpr
     def _bf16_adam_kernel(
-        p_ptr, c_ptr, g_ptr, m_ptr, v_ptr, k_ptr, n, offset, key,
+        p_ptr, c_ptr, g_ptr, m_ptr, v_ptr, n, offset, key,
+        beta1, omb1, beta2, omb2, eps, weight_decay, decay, step_size, inv_bc2, inv_grad_scale, lr_wd,
         KAHAN: tl.constexpr, L2: tl.constexpr, G16: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # the coefficients, fp32 as the reference rounds them (reference_lowp._Coeffs)
-        beta1, omb1 = tl.load(k_ptr), tl.load(k_ptr + 1)
-        beta2, omb2 = tl.load(k_ptr + 2), tl.load(k_ptr + 3)
-        eps, weight_decay, decay = tl.load(k_ptr + 4), tl.load(k_ptr + 5), tl.load(k_ptr + 6)
-        step_size, inv_bc2 = tl.load(k_ptr + 7), tl.load(k_ptr + 8)
-        inv_grad_scale, lr_wd = tl.load(k_ptr + 9), tl.load(k_ptr + 10)
+        # beta1 ... lr_wd: the coefficients as the reference rounds them to fp32 (reference_lowp._Coeffs), passed
+        # as Python floats, which Triton types fp32 (exact: they are fp32 values)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < n
         p = _widen(tl.load(p_ptr + i, mask=mask, other=0))
@@ -121,17 +118,15 @@ def triton_bf16_adam_step(master: Tensor, comp: Optional[Tensor], grad: Tensor, 
     n = master.numel()
     if n == 0:
         return
-    coeffs = torch.tensor([c.beta1, c.omb1, c.beta2, c.omb2, c.eps, c.weight_decay, c.decay, c.step_size, c.inv_bc2,
-                           c.inv_grad_scale, c.lr_wd], dtype=torch.float32).to(master.device, non_blocking=True)
     g16 = grad.dtype == torch.bfloat16
     if not g16 and grad.dtype != torch.float32:
         grad = grad.float()
     bits = [t.view(torch.int16) for t in (master, master if comp is None else comp, exp_avg, exp_avg_sq)]
     grid = (triton.cdiv(n, _BLOCK),)
     _bf16_adam_kernel[grid](
-        bits[0], bits[1], grad.view(torch.int16) if g16 else grad, bits[2], bits[3], coeffs, n, offset,
-        sr_key(seed, step), KAHAN=comp is not None, L2=c.weight_decay != 0.0, G16=g16, BLOCK=_BLOCK,
-        enable_fp_fusion=False,
+        bits[0], bits[1], grad.view(torch.int16) if g16 else grad, bits[2], bits[3], n, offset, sr_key(seed, step),
+        c.beta1, c.omb1, c.beta2, c.omb2, c.eps, c.weight_decay, c.decay, c.step_size, c.inv_bc2, c.inv_grad_scale,
+        c.lr_wd, KAHAN=comp is not None, L2=c.weight_decay != 0.0, G16=g16, BLOCK=_BLOCK, enable_fp_fusion=False,
     )  # fmt: skip
 
 
