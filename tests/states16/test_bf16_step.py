@@ -105,3 +105,27 @@ def test_setup_logs_the_state_layout(caplog: pytest.LogCaptureFixture) -> None:
                      states=StatePrecisionConfig("bf16_sr", grad_shard_precision="bf16"))
     line = next(r.getMessage() for r in caplog.records if "lightning_zero: ZeRO-1" in r.getMessage())
     assert "bf16_sr" in line and "6 bytes per parameter" in line and "reduced gradients in bf16" in line
+
+
+def test_written_back_weights_drop_the_old_kahan_word() -> None:
+    """Stage 3's ``gathered_params(writeback=True)``: the user set the weights, so Kahan words start again."""
+    from lightning.pytorch import Trainer
+
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.zero.states16 import COMP_KEY
+    from tests.helpers.parity_model import ParityNet
+
+    torch.manual_seed(0)
+    model = ParityNet()
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, precision="bf16-mixed", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+                      strategy=ZeroStrategy(stage=3, state_precision="bf16_kahan"))
+    trainer.fit(model)
+    engine = trainer.strategy.engines[0]
+    comps = [engine.optimizer.state[fg.master][COMP_KEY] for fg in engine.groups]
+    assert all(c.abs().sum() > 0 for c in comps)
+    with engine.gathered_params(writeback=True):
+        with torch.no_grad():
+            model.norm.weight.fill_(2.0)
+    assert all(torch.equal(c, torch.zeros_like(c)) for c in comps)
