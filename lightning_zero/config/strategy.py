@@ -34,6 +34,7 @@ from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
 from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
+from lightning_zero.config.state_precision import StatePrecisionConfig
 from lightning_zero.config.step import VALID_NONFINITE, StepConfig
 
 VALID_STAGES = (0, 1, 2, 3)
@@ -64,7 +65,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig,
+    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig, StatePrecisionConfig,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -77,8 +78,8 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig,
-                 ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
+                 ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 
@@ -138,6 +139,12 @@ class ZeroConfig(InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
             )
         if self.offload_optimizer != "none" and self.pipeline_stages > 1:
             raise ValueError("offload_optimizer with pipeline_stages > 1 is not supported yet.")
+        if self.state_precision != "fp32" and (self.stage == 0 or self.offload_optimizer != "none"):
+            raise ValueError(
+                f"state_precision={self.state_precision!r} needs stage 1, 2 or 3 without offload_optimizer (got stage="
+                f"{self.stage}, offload_optimizer={self.offload_optimizer!r}): it is the layout of the device "
+                "partition; offloaded states take offload_state_precision."
+            )
 
     def _validate_zeropp(self) -> None:
         """ZeRO++ (config/quantization.py) is a stage-3 feature, built for data parallelism alone."""
@@ -212,5 +219,6 @@ def config_field_names() -> list[str]:
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "config_field_names", "StageConfig",
     "Stage3Config", "OffloadConfig", "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig",
-    "ParallelConfig", "LaunchConfig", "QuantCommConfig", "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
+    "ParallelConfig", "LaunchConfig", "QuantCommConfig", "StatePrecisionConfig",
+    "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
 ]
