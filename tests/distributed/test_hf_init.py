@@ -31,19 +31,22 @@ def _tiny_pretrained(where: Path) -> Path:
     return where
 
 
+def _same_distribution(ours: dict[str, dict], plain: dict[str, dict], family: str) -> None:
+    assert ours.keys() == plain.keys(), family
+    for name, want in plain.items():
+        got = ours[name]
+        where = f"{family} {name}: zero3 {got} plain {want}"
+        if want["min"] == want["max"]:  # norms' ones, biases' zeros
+            assert got["min"] == got["max"] == want["min"], where
+            continue
+        assert abs(got["std"] / want["std"] - 1) < 0.10, where
+        assert abs(got["mean"] - want["mean"]) < 8 * want["std"] / math.sqrt(want["numel"]), where
+
+
 def _check(result: dict[str, Any]) -> None:
     for family in ("llama", "qwen2", "gpt2", "bert"):
-        ours, plain = result[family]["zero3"], result[family]["plain"]
-        assert ours.keys() == plain.keys(), family
+        _same_distribution(result[family]["zero3"], result[family]["plain"], family)
         assert result[family]["ties"][0] == result[family]["ties"][1], (family, result[family]["ties"])
-        for name, want in plain.items():
-            got = ours[name]
-            where = f"{family} {name}: zero3 {got} plain {want}"
-            if want["min"] == want["max"]:  # norms' ones, biases' zeros
-                assert got["min"] == got["max"] == want["min"], where
-                continue
-            assert abs(got["std"] / want["std"] - 1) < 0.10, where
-            assert abs(got["mean"] - want["mean"]) < 8 * want["std"] / math.sqrt(want["numel"]), where
     consts = {n for n, s in result["llama"]["plain"].items() if s["min"] == s["max"] == 1.0}
     assert any("norm" in n for n in consts), consts  # the norms are checked as constants, not skipped
     assert result["gpt2"]["plain"]["transformer.h.0.attn.c_proj.weight"]["std"] < 0.015  # the scaled init is in play
@@ -65,3 +68,26 @@ def test_hf_models_get_hf_init_on_two_ranks(tmp_path: Path) -> None:
     for result in results:
         _check(result)
     assert results[0]["llama"]["zero3"] == results[1]["llama"]["zero3"]  # one and the same model on both ranks
+
+
+def test_fabric_init_module_under_zero3_gives_hf_init() -> None:
+    """``fabric.init_module(empty_init=True)`` under zero3 builds on meta (materialised by the engine: the bug
+    gave torch's defaults); Lightning's ddp gives HF's init for either value (transformers' init functions
+    call torch's saved originals, which ``_EmptyInit`` does not intercept), and so does zero3 now.
+    ``empty_init=False`` builds the model whole and real: HF's own post_init."""
+    from lightning.fabric import Fabric
+
+    from tests.distributed.hf_init import families, param_stats
+
+    build = families()["llama"]
+    torch.manual_seed(1)
+    plain = param_stats(build())
+    for empty_init in (True, False):
+        fabric = Fabric(accelerator="cpu", devices=1, strategy="zero3")
+        fabric.launch()
+        with fabric.init_module(empty_init=empty_init):
+            model = build()
+        assert any(p.is_meta for p in model.parameters()) == empty_init
+        model, _ = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        with fabric.strategy.gathered_params(model.module):
+            _same_distribution(param_stats(model.module), plain, f"fabric empty_init={empty_init}")
