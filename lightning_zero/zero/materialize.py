@@ -128,16 +128,17 @@ def _is_hf_model(module: nn.Module) -> bool:
 
 
 def hf_initializers(model: nn.Module) -> dict[int, Initializer]:
-    """``id(module) -> init`` for every module inside a Hugging Face model: the nearest enclosing
-    ``PreTrainedModel``'s ``_init_weights`` (a nested sub-model uses its own, as transformers'
-    ``initialize_weights`` dispatches). Computed once per model ([Note: Hugging Face models get their own init])."""
+    """``id(module) -> init`` for every module a Hugging Face model's ``post_init`` initialised (flagged
+    ``_is_hf_initialized``): the nearest enclosing ``PreTrainedModel``'s ``_init_weights`` (a nested
+    sub-model uses its own, as transformers' ``initialize_weights`` dispatches). Computed once per model
+    ([Note: Hugging Face models get their own init])."""
     found: dict[int, Initializer] = {}
     stack: list[tuple[nn.Module, Optional[Initializer]]] = [(model, None)]
     while stack:
         module, init = stack.pop()
         if _is_hf_model(module):
             init = module._init_weights  # type: ignore[assignment]
-        if init is not None:
+        if init is not None and getattr(module, "_is_hf_initialized", False):  # post_init visited it
             found[id(module)] = init
         stack.extend((child, init) for child in module.children())
     return found
@@ -160,7 +161,9 @@ def _hf_init_calls(
     nearest enclosing ``PreTrainedModel``'s ``_init_weights`` runs on each module with a fresh
     parameter in its subtree, children first: HF's distribution, not ddp's draw (another RNG order, as
     under FSDP). ``_init_weights`` is called directly: ``_initialize_weights`` would skip every module,
-    since ``post_init`` on meta already flagged them ``_is_hf_initialized``. A module is called only
+    since ``post_init`` on meta already flagged them ``_is_hf_initialized``. That flag also tells which
+    modules ``post_init`` covered: one added afterwards (peft's LoRA layers, a replaced head) is left to
+    its own ``reset_parameters()``, as under ddp, not given HF's init. A module is called only
     when every parameter it could write is fresh, held here (real, put back afterwards: [Note: the
     user's weights are kept]) or still meta (a later unit's: a no-op); a released ZeRO-3 shard (no
     storage) must never be written (a crash) and another unit's real weights are not ours.
