@@ -246,10 +246,10 @@ def materialize_modules(
     if unset:
         raise UninitializedParameterError(
             f"Parameter(s) {unset[:5]}{'...' if len(unset) > 5 else ''} were built on the meta device (ZeRO-3 "
-            "sharded initialisation) and nothing initialised them when they were materialised: their module has no "
-            "reset_parameters() (nor Hugging Face _init_weights) covering them and the LightningModule's zero_init_module(module) hook did not set "
-            "them (or set NaN). Give the module a reset_parameters(), initialise them in zero_init_module, or create "
-            "them outside configure_model."
+            "sharded initialisation) and nothing initialised them when they were materialised: neither their "
+            "module's reset_parameters() nor a Hugging Face model's _init_weights covers them, and the "
+            "LightningModule's zero_init_module(module) hook did not set them (or set NaN). Give the module a "
+            "reset_parameters(), initialise them in zero_init_module, or create them outside configure_model."
         )
 
 

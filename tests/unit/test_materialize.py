@@ -137,7 +137,7 @@ def test_a_hugging_face_model_built_on_meta_gets_its_own_init_and_keeps_the_user
         wrapper.gpt = transformers.GPT2LMHeadModel(cfg)
         wrapper.head = nn.Linear(4, 4)  # outside the HF model: torch's reset_parameters, as under ddp
         wrapper.gpt.transformer.h[1].attn.c_proj.weight = nn.Parameter(torch.full((64, 64), 0.5))
-        wrapper.gpt.score = nn.Linear(64, 64)  # added after post_init (as peft's LoRA layers): torch's init, as under ddp
+        wrapper.gpt.score = nn.Linear(64, 64)  # added after post_init (as peft's LoRA layers): torch's init
     gpt = wrapper.gpt
     inits = hf_initializers(wrapper)
     # the nearest PreTrainedModel, as transformers' smart_apply dispatches: GPT2Model is one itself
