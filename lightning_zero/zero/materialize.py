@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.zero.peft_init import peft_init_calls, peft_initializers
 from lightning_zero.zero.units import Unit
 
 _INIT_VALUE = "_lightning_zero_init_value"
@@ -187,7 +188,7 @@ class UninitializedParameterError(RuntimeError):
 
 def materialize_modules(
     modules: list[nn.Module], device: torch.device, init_hook: Optional[Initializer] = None,
-    hf_inits: Optional[Mapping[int, Initializer]] = None,
+    hf_inits: Optional[Mapping[int, Initializer]] = None, peft_inits: Optional[Mapping[int, Initializer]] = None,
 ) -> None:
     """Give every meta parameter of ``modules`` real storage and initialise it. ``hf_inits``: from
     :func:`hf_initializers` of the whole model (by default, of ``modules[0]``, the whole model when
@@ -197,7 +198,8 @@ def materialize_modules(
     A materialised parameter gets its value from, in order: the value it was created with, kept by
     :func:`params_on_meta` when its module has no ``reset_parameters`` (a norm's ``torch.ones``);
     its module's ``reset_parameters()``; inside a Hugging Face model, that model's ``_init_weights``
-    ([Note: Hugging Face models get their own init]); the LightningModule's ``zero_init_module(module)`` hook.
+    ([Note: Hugging Face models get their own init]); for a peft LoRA layer, peft's own adapter init
+    (peft_init.py [Note: peft adapters get their own init]); the LightningModule's ``zero_init_module(module)`` hook.
     Floating-point storage starts as NaN and is checked afterwards: a parameter none of these set
     (created on the meta device by the user, or one ``reset_parameters`` does not cover) is an error
     naming it, never silent garbage.
@@ -230,12 +232,17 @@ def materialize_modules(
     if hf_inits is None:
         hf_inits = hf_initializers(modules[0]) if modules else {}
     hf_calls = _hf_init_calls(modules, {id(p) for _, p in fresh}, {id(p) for p, _ in held}, hf_inits)
+    if peft_inits is None:
+        peft_inits = peft_initializers(modules[0]) if modules else {}
+    peft_calls = peft_init_calls(modules, {id(p) for _, p in fresh}, peft_inits)
     with torch.no_grad():
         for module in touched:
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
         for module, init in hf_calls:
+            init(module)
+        for module, init in peft_calls:  # after HF's: _init_weights would redraw lora_B too
             init(module)
         for p, value in held:
             p.copy_(value)
@@ -257,9 +264,9 @@ def make_unit_materializer(
     model: nn.Module, device: torch.device, init_hook: Optional[Callable] = None
 ) -> Callable[[Unit, list[Unit]], None]:
     """A callback for Stage3Engine: materialise the modules of one unit (root: those outside all units)."""
-    hf_inits = hf_initializers(model)
+    hf_inits, peft_inits = hf_initializers(model), peft_initializers(model)
 
     def materialize(unit: Unit, units: list[Unit]) -> None:
-        materialize_modules(_modules_of(model, unit, units), device, init_hook, hf_inits)
+        materialize_modules(_modules_of(model, unit, units), device, init_hook, hf_inits, peft_inits)
 
     return materialize
