@@ -23,11 +23,11 @@ strategy's own initialisation context, so no process ever holds the whole fp32 m
 HF's ``LlamaRMSNorm`` and ``LlamaRotaryEmbedding`` have no ``reset_parameters()``: FSDP's meta
 materialisation raises ``AttributeError`` on them, and lightning_zero's would leave the norm weights
 uninitialised (``torch.empty``). :func:`install_reset_shims` gives such classes one (norm weight = 1,
-rotary ``inv_freq`` recomputed from the config), in every configuration alike. Consequence: the two
-meta-initialised families start from torch's default initialisation of ``nn.Linear``/``nn.Embedding``
-(Kaiming-uniform, N(0, 1)), ``ddp`` and DeepSpeed from HF's ``_init_weights`` (N(0, 0.02)), and LoRA's
-B matrices are Kaiming-initialised (not zero) on the meta paths: first-step losses differ a little,
-the work per step does not.
+rotary ``inv_freq`` recomputed from the config), in every configuration alike. Consequence: ``fsdp``
+starts from torch's default initialisation of ``nn.Linear``/``nn.Embedding`` (Kaiming-uniform, N(0, 1))
+and Kaiming-initialised (not zero) LoRA B matrices; ``zero3`` (since 2026-11-28: zero/materialize.py and
+zero/peft_init.py), ``ddp`` and DeepSpeed from HF's ``_init_weights`` (N(0, 0.02)) with zero B matrices:
+first-step losses differ a little, the work per step does not.
 
 Run by hand only for debugging, e.g.::
 

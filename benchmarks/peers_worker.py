@@ -105,11 +105,11 @@ def _deepspeed(stage: int) -> Callable[[argparse.Namespace], Strategy]:
     return build
 
 
-def _zero(stage: int) -> Callable[[argparse.Namespace], Strategy]:
+def _zero(stage: int, **options: Any) -> Callable[[argparse.Namespace], Strategy]:
     def build(args: argparse.Namespace) -> Strategy:
         from lightning_zero import ZeroStrategy
 
-        return ZeroStrategy(stage=stage)
+        return ZeroStrategy(stage=stage, **options)
 
     return build
 
@@ -126,6 +126,11 @@ CONFIGS: dict[str, PeerConfig] = {
         PeerConfig("zero1", _zero(1)),
         PeerConfig("zero2", _zero(2)),
         PeerConfig("zero3", _zero(3), build_in="configure_model"),
+        PeerConfig("zero2_bf16sr", _zero(2, state_precision="bf16_sr")),
+        PeerConfig("zero3_bf16sr", _zero(3, state_precision="bf16_sr"), build_in="configure_model"),
+        PeerConfig("zero3_bf16sr_g16", _zero(3, state_precision="bf16_sr", grad_shard_precision="bf16"),
+                   build_in="configure_model"),
+        PeerConfig("zero3_bf16kahan", _zero(3, state_precision="bf16_kahan"), build_in="configure_model"),
     )
 }
 """How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""

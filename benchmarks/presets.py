@@ -82,8 +82,13 @@ PEERS: dict[str, str] = {
     "zero1": "lightning_zero",
     "zero2": "lightning_zero",
     "zero3": "lightning_zero",
+    "zero2_bf16sr": "lightning_zero",
+    "zero3_bf16sr": "lightning_zero",
+    "zero3_bf16sr_g16": "lightning_zero",
+    "zero3_bf16kahan": "lightning_zero",
 }
-"""Every configuration the peer benchmark knows -> its family ('lightning', 'deepspeed', 'lightning_zero').
+"""Every configuration the peer benchmark knows (``*_bf16sr``/``*_bf16kahan``: 16-bit device states,
+zero/states16.py; ``_g16``: bf16 gradient shards; run with ``--configs``, not by default) -> its family ('lightning', 'deepspeed', 'lightning_zero').
 ``peers_worker.CONFIGS`` says how each is built."""
 
 DEFAULT_PEERS: dict[int, list[str]] = {

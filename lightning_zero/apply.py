@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
-from lightning_zero.config import Fp8Config, OffloadConfig, QuantCommConfig, Stage3Config
+from lightning_zero.config import Fp8Config, OffloadConfig, QuantCommConfig, Stage3Config, StatePrecisionConfig
 from lightning_zero.engines import Engines, check_optimizers_own_their_params
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
@@ -91,8 +91,9 @@ def apply_zero(
 
 
 def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims, device: torch.device) -> None:
-    """Steps 0-3: fp8's Linears converted (when asked), on this rank's device (meta parameters stay meta: materialised later, unit by unit),
-    with rank 0's weights and buffers; remembers the dtypes the checkpoints restore."""
+    """Steps 0-3: fp8's Linears converted (when asked); the module on this rank's device (meta parameters
+    stay meta: materialised later, unit by unit) with rank 0's weights and buffers; remembers the dtypes the
+    checkpoints restore."""
     fp8.convert(module, engines.config.piece(Fp8Config), device, str(engines.precision.precision))  # 0
     if dims.tp > 1:
         check_tensor_parallel(module, dims.tp)
@@ -150,6 +151,8 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
         engine_cls = offload_engine(config.stage)
         stage_options["offload"] = config.piece(OffloadConfig)
         stage_options["offload_host"] = host
+    if config.state_precision != "fp32":  # 16-bit device states (zero/states16.py)
+        stage_options["states"] = config.piece(StatePrecisionConfig)
     dtype = precision.compute_dtype
     bucket_numel = max(1, int(config.bucket_size_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
     norm_groups = [dims.pp_group] if dims.pp > 1 else []

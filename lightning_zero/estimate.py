@@ -60,6 +60,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--delayed-update", action="store_true", help="delayed_param_update (double host buffers)")
     p.add_argument("--state-precision", choices=PRECISIONS, default="fp32",
                    help="offload_state_precision of CPU optimizer offload (compact host states)")
+    p.add_argument("--device-state-precision", choices=("fp32", "bf16_sr", "bf16_kahan"), default="fp32",
+                   help="state_precision of stages 1-3 without offload (16-bit device states, bf16-mixed)")
+    p.add_argument("--grad-shard-precision", choices=("fp32", "bf16"), default="fp32",
+                   help="grad_shard_precision with 16-bit device states")
     p.add_argument("--nvme-fraction", type=float, default=None,
                    help="share of optimizer states on NVMe for the 'nvme' settings (ZeroConfig.nvme_fraction); "
                         "default: the largest of 1.0, 0.9, ..., 0.1 that fits this machine")
@@ -70,6 +74,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1 or args.nodes < 1:
         p.error("--gpus and --nodes must be >= 1")
+    if args.device_state_precision != "fp32" and args.precision != "bf16-mixed":
+        p.error("--device-state-precision needs --precision bf16-mixed")
+    if args.grad_shard_precision != "fp32" and args.device_state_precision == "fp32":
+        p.error("--grad-shard-precision bf16 needs --device-state-precision bf16_sr or bf16_kahan")
     return args
 
 
@@ -110,13 +118,15 @@ def detect_machine(args: argparse.Namespace) -> tuple[Machine, str]:
 
 def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str:
     c = 4 if args.precision == "32-true" else 2
+    states16 = {"fp32": 12.0, "bf16_sr": 6.0, "bf16_kahan": 8.0}[args.device_state_precision]  # zero/states16.py
 
     def make(params: int, fraction: float = 1.0) -> Workload:
         unit = None if args.largest_unit is None else int(args.largest_unit * params / args.params)
         return Workload(params, args.gpus, args.nodes, largest_unit=unit, compute_bytes=c,
                         prefetch_units=args.prefetch_units, accumulate=args.accumulate,
                         delayed_update=args.delayed_update, nvme_fraction=fraction,
-                        state_bytes=bytes_per_param(args.state_precision),
+                        state_bytes=bytes_per_param(args.state_precision), device_state_bytes=states16,
+                        grad_shard_bytes=2.0 if args.grad_shard_precision == "bf16" else 4.0,
                         master_in_params=args.state_precision in ("bf16_sr", "bf16_kahan") and args.precision == "bf16-mixed"
                         and not args.delayed_update)
 
@@ -125,9 +135,13 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
             return [1.0]
         return [args.nvme_fraction] if args.nvme_fraction is not None else [1.0 - i / 10 for i in range(10)]
 
+    grads = 2.0 if args.grad_shard_precision == "bf16" else 4.0
+    device = "" if states16 == 12.0 else (f" (device: {args.device_state_precision} states, "
+                                          f"{args.grad_shard_precision} gradient shards)")
     lines = [
         f"Memory for {_fmt_count(args.params)} parameters on {args.nodes} node(s) x {args.gpus} GPU(s), {args.precision}, "
-        f"Adam{'' if args.state_precision == 'fp32' else f' (CPU offload: {args.state_precision} host states)'}. Model states and offload buffers only: activations, the CUDA context and fragmentation come on top.",
+        f"Adam{'' if args.state_precision == 'fp32' else f' (CPU offload: {args.state_precision} host states)'}"
+        f"{device}. Model states and offload buffers only: activations, the CUDA context and fragmentation come on top.",
         f"This machine: {machine_line}.",
         "",
         "| setting | GPU per device | host per node | NVMe per node | fits here | largest model here (limited by) |",
@@ -152,7 +166,7 @@ def render(args: argparse.Namespace, machine: Machine, machine_line: str) -> str
             f"| {name} | {_fmt_bytes(e.gpu_bytes)} | {_fmt_bytes(e.cpu_bytes)} | {_fmt_bytes(e.nvme_bytes)} | {ok} | "
             f"{largest} |"
         )
-    per_param = ", ".join(f"{s.name} {per_param_formula(s, c)}" for s in SETTINGS[:4])
+    per_param = ", ".join(f"{s.name} {per_param_formula(s, c, states16, grads)}" for s in SETTINGS[:4])
     lines += ["", f"Device bytes per parameter at the optimizer step (N = data-parallel ranks; buckets and gathered "
                   f"units on top): {per_param}."]
     return "\n".join(lines)

@@ -527,6 +527,7 @@ class ShardedCheckpointer:
                 for key, skey in scalar_keys.get(gi, {}).items():
                     st[key] = loaded[skey]
                 opt.state[engine.groups[gi].master] = st
+            engine.after_state_load()  # 16-bit states <-> fp32 (zero/states16.py)
             with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
                 restore_comm_state(opt, {COMM_STATE_KEY: loaded[comm_key]} if comm_key else {})
 

@@ -16,11 +16,12 @@ from lightning_zero.config.parallel import ParallelConfig
 from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
+from lightning_zero.config.state_precision import StatePrecisionConfig
 from lightning_zero.config.step import StepConfig
 from lightning_zero.config.strategy import SECTIONS, VALID_STAGES, LossScaleConfig, StageConfig, ZeroConfig
 
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "StageConfig", "Stage3Config", "OffloadConfig",
     "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig", "ParallelConfig", "LaunchConfig", "SequenceConfig",
-    "QuantCommConfig", "InferenceConfig", "Fp8Config",
+    "QuantCommConfig", "InferenceConfig", "StatePrecisionConfig", "Fp8Config",
 ]

@@ -2,8 +2,8 @@
 
 Each concern is a dataclass of its own that validates itself (``config/stage3.py``, ``offload.py``,
 ``step.py``, ``checkpoint.py``, ``activations.py``, ``compile.py``, ``parallel.py``, ``launch.py``,
-``fp8.py``, ...), and :class:`ZeroConfig` is all of them at once: its flat fields are theirs (inherited, not restated), so
-``ZeroStrategy(stage=3, prefetch_units=2)``, the registered presets, Hydra's ``conf/strategy/*.yaml``
+``fp8.py``, ...), and :class:`ZeroConfig` is all of them at once: its flat fields are theirs (inherited,
+not restated), so ``ZeroStrategy(stage=3, prefetch_units=2)``, the registered presets, Hydra's ``conf/strategy/*.yaml``
 and ``strategy.<name>=`` overrides all name options as before, while the engines take only their own
 typed piece (``config.piece(Stage3Config)``). Hydra's ``conf/strategy/*.yaml`` files, the registered
 strategy names and the ``ZeroStrategy`` constructor all read their defaults from these classes;
@@ -35,6 +35,7 @@ from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
 from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.sequence import SequenceConfig
 from lightning_zero.config.stage3 import Stage3Config
+from lightning_zero.config.state_precision import StatePrecisionConfig
 from lightning_zero.config.step import VALID_NONFINITE, StepConfig
 
 VALID_STAGES = (0, 1, 2, 3)
@@ -65,7 +66,7 @@ class StageConfig:
 
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
-    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig, Fp8Config,
+    CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig, StatePrecisionConfig, Fp8Config,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -78,8 +79,8 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(Fp8Config, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig, ParallelConfig, CompileConfig,
-                 ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
+                 ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 
@@ -140,6 +141,12 @@ class ZeroConfig(Fp8Config, InferenceConfig, QuantCommConfig, SequenceConfig, La
             )
         if self.offload_optimizer != "none" and self.pipeline_stages > 1:
             raise ValueError("offload_optimizer with pipeline_stages > 1 is not supported yet.")
+        if self.state_precision != "fp32" and (self.stage == 0 or self.offload_optimizer != "none"):
+            raise ValueError(
+                f"state_precision={self.state_precision!r} needs stage 1, 2 or 3 without offload_optimizer (got stage="
+                f"{self.stage}, offload_optimizer={self.offload_optimizer!r}): it is the layout of the device "
+                "partition; offloaded states take offload_state_precision."
+            )
 
     def _validate_zeropp(self) -> None:
         """ZeRO++ (config/quantization.py) is a stage-3 feature, built for data parallelism alone."""
@@ -225,5 +232,6 @@ def config_field_names() -> list[str]:
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "config_field_names", "StageConfig",
     "Stage3Config", "OffloadConfig", "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig",
-    "ParallelConfig", "LaunchConfig", "QuantCommConfig", "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
+    "ParallelConfig", "LaunchConfig", "QuantCommConfig", "StatePrecisionConfig",
+    "COMPILE_ARGS", "VALID_OFFLOAD", "VALID_SCHEDULES", "VALID_NONFINITE",
 ]

@@ -25,7 +25,9 @@ params nvme                 (prefetch + 3) cU                   staging; NVMe cS
 ==========================  ==================================  ======================================
 
 (The upload buffer is omitted in fp32 with the CPU optimizer, whose masters are uploaded directly;
-gradient accumulation adds an fp32 accumulator of 4S; the delayed update doubles grads and upload.)
+gradient accumulation adds an fp32 accumulator of 4S; the delayed update doubles grads and upload. With
+16-bit device states, ``state_precision``, the 16S of stages 1-3 become 10S or 12S, 8S or 10S with bf16
+gradient shards, and stage 3 loses its cS: ``device_state_coefficients``.)
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ class Workload:
     master_in_params: bool = False
     """A bf16 host state whose master is the 16-bit parameter partition (stage 3, parameters in host
     memory, bf16 compute): ``compute_bytes`` per parameter fewer than ``state_bytes`` plus the partition."""
+    device_state_bytes: float = 12.0
+    """Device bytes per partition parameter of the master and Adam moments without offload: 12 in fp32, 6
+    or 8 with ``state_precision`` 'bf16_sr' or 'bf16_kahan' (zero/states16.py)."""
+    grad_shard_bytes: float = 4.0
+    """Device bytes per partition parameter of the reduced-gradient shard: 4, or 2 with
+    ``grad_shard_precision='bf16'`` (16-bit device states only)."""
 
     @property
     def ranks(self) -> int:
@@ -118,7 +126,8 @@ class Estimate:
     nvme_bytes: int
 
 
-def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optional[int] = None) -> tuple[float, float]:
+def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optional[int] = None, states: float = 12.0,
+                              grads: float = 4.0) -> tuple[float, float]:
     """THE bytes-per-parameter formula of the device's model state: ``(full, shard)`` such that a rank
     holds ``full * P + shard * P / N`` bytes at the optimizer step (16-bit or fp32 parameters, gradients,
     fp32 masters, the fp32 gradient partition the step reads, Adam's two moments). Working buffers (stage
@@ -135,8 +144,16 @@ def device_state_coefficients(s: Setting, compute_bytes: int = 2, ranks: Optiona
     needs more than zero0 on one GPU; from N = 2 on every stage needs less. In fp32 (``compute_bytes=4``)
     with one rank (``ranks=1``), stages 1-2 use the flat fp32 parameters as the master (zero/flat_group.py
     ``shares_master``): 4 bytes per parameter fewer; with ``ranks=None`` the formula is the one for N >= 2.
+    16-bit device states (``states`` 6 or 8 instead of 12, bf16 compute, no offload; zero/states16.py):
+    master and moments take ``states`` and the gradient shard ``grads`` per partition parameter; stage 3 has
+    no separate 16-bit partition (the master is what it gathers), and stage 1 on one rank steps from the
+    bf16 flat gradients themselves (no fp32 copy).
     """
     c = compute_bytes
+    if states != 12.0 and s.offload_optimizer == "none" and s.stage >= 1:
+        if s.stage == 1 and ranks == 1:
+            return 2 * c + states, 0.0
+        return {1: 2.0 * c, 2: float(c), 3: 0.0}[s.stage], states + grads
     master = 0 if c == 4 else 4  # in fp32 the parameters are the masters
     shared = 4.0 if c == 4 and ranks == 1 else 0.0  # fp32, one rank: stages 1-2's master is the flat parameter
     if s.offload_optimizer == "none":
@@ -165,15 +182,15 @@ def device_working_bytes(s: Setting, w: Workload) -> float:
     return 0.0
 
 
-def per_param_formula(s: Setting, compute_bytes: int = 2) -> str:
+def per_param_formula(s: Setting, compute_bytes: int = 2, states: float = 12.0, grads: float = 4.0) -> str:
     """``device_state_coefficients`` as text, e.g. ``4 + 16/N`` (what the README's table shows)."""
-    full, shard = device_state_coefficients(s, compute_bytes)
+    full, shard = device_state_coefficients(s, compute_bytes, states=states, grads=grads)
     terms = ([f"{full:g}"] if full else []) + ([f"{shard:g}/N"] if shard else [])
     return " + ".join(terms) or "0"
 
 
 def _device_bytes(s: Setting, w: Workload) -> float:
-    full, shard = device_state_coefficients(s, w.compute_bytes, w.ranks)
+    full, shard = device_state_coefficients(s, w.compute_bytes, w.ranks, w.device_state_bytes, w.grad_shard_bytes)
     return full * w.params + shard * w.shard + device_working_bytes(s, w)
 
 

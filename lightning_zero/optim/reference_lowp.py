@@ -93,9 +93,10 @@ def sr_key(seed: int, step: int) -> int:
     return mix32_int((seed & _MASK) ^ mix32_int((step & _MASK) ^ _GOLDEN))
 
 
-def sr_bits(key: int, offset: int, n: int) -> tuple[Tensor, Tensor]:
-    """(h, next) random words of elements offset .. offset+n-1 (see [Note: stochastic rounding bits])."""
-    idx = torch.arange(offset, offset + n, dtype=torch.int64)
+def sr_bits(key: int, offset: int, n: int, device: Optional[torch.device] = None) -> tuple[Tensor, Tensor]:
+    """(h, next) random words of elements offset .. offset+n-1 (see [Note: stochastic rounding bits]), on
+    ``device`` (default: the CPU; the device states step there, zero/states16.py)."""
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
     h = mix32((idx & _MASK) ^ (key ^ _mul32(idx >> 32, _GOLDEN)))
     return h, mix32(h ^ _STREAM_V)
 
@@ -246,7 +247,7 @@ def adam_bf16_reference(
     p = params.to(torch.float32)
     m, v, w = _moments(c, p, grad, exp_avg.to(torch.float32), exp_avg_sq.to(torch.float32))
     upd = _update(c, m, w)
-    h, h2 = sr_bits(sr_key(seed, step), offset, params.numel())
+    h, h2 = sr_bits(sr_key(seed, step), offset, params.numel(), params.device)
     exp_avg.copy_(bf16_sr(m, h >> 16))
     exp_avg_sq.copy_(bf16_sr(v, h2))
     if comp is None:

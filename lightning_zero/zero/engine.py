@@ -52,6 +52,7 @@ from lightning_zero.zero.flat_group import FlatParamGroup
 from lightning_zero.zero.loss_scaler import DynamicLossScaler
 from lightning_zero.zero.partition import build_layout
 from lightning_zero.zero.shard_comm import ShardComm, place_param_groups
+from lightning_zero.zero.states16 import DeviceStates16, adapt_loaded_state
 from lightning_zero.zero.unused import GroupPlan, UsedParams, planned_masters, set_group_steps
 from lightning_zero.zero.wrappable import check_wrappable
 
@@ -155,6 +156,12 @@ class ZeroEngine:
         self._plans: Optional[list[Optional[GroupPlan]]] = None
         """This step's plan per flat group (None: every master steps whole; unused.py)."""
         optimizer.state.clear()
+        states = stage_options.get("states")
+        self.states16: Optional[DeviceStates16] = None
+        """16-bit masters and Adam moments (``state_precision``; states16.py), None for fp32 states."""
+        if states is not None and states.compact:  # type: ignore[attr-defined]
+            self.states16 = DeviceStates16(states, optimizer, self.groups, self.pg_of,  # type: ignore[arg-type]
+                                           compute_dtype, self.stage)
         self.launch_order: list[tuple[int, int]] = [
             (gi, b.index) for gi, fg in enumerate(self.groups) for b in fg.layout.buckets
         ]
@@ -474,6 +481,9 @@ class ZeroEngine:
 
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
         """Scale the gradients by ``coef`` (unscale and clip) and step the masters (offload: on the CPU)."""
+        if self.states16 is not None:  # bf16 states: coef goes into the step (states16.py)
+            self.states16.step(grads, coef, self._plans)
+            return
         for fg, g in zip(self.groups, grads):
             if coef != 1.0:
                 g.mul_(coef)
@@ -492,7 +502,20 @@ class ZeroEngine:
     def after_master_load(self) -> None:
         """Masters were overwritten (checkpoint load): the 16-bit parameters follow them (stages 1-2
         all-gather them from the masters' shards)."""
+        self._masters_replaced()
         self._write_back()
+
+    def _masters_replaced(self) -> None:
+        """A Kahan word belongs to the master it compensated: new masters start without one (a loaded optimizer
+        state brings its own next: states16.py ``adapt_loaded_state``)."""
+        if self.states16 is not None:
+            self.states16.masters_replaced()
+
+    def after_state_load(self) -> None:
+        """An optimizer state was loaded into ``optimizer.state`` (inside ``host_state``): bring it into this
+        engine's state layout (states16.py ``adapt_loaded_state``: a checkpoint of 16-bit states loads into
+        fp32 states and the other way round)."""
+        adapt_loaded_state(self)
 
     @contextmanager
     def host_state(self) -> Generator[None, None, None]:

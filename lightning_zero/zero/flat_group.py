@@ -34,6 +34,8 @@ class ShardViews:
     master: Tensor
     device: torch.device
     grad_shard: Optional[Tensor]
+    grad_dtype: Optional[torch.dtype] = None
+    """dtype of ``grad_shard``; None: the master's (16-bit device states keep fp32 gradients: zero/states16.py)."""
     _grad_written: set[int]
     """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
 
@@ -73,7 +75,8 @@ class ShardViews:
         writes every element before it is read: stage2.py's [Note: one data-parallel rank]) uninitialised."""
         if self.grad_shard is None:
             make = torch.zeros if zeroed else torch.empty
-            self.grad_shard = make(self.layout.shard_numel, dtype=self.master.dtype, device=self.device)
+            dtype = self.grad_dtype or self.master.dtype
+            self.grad_shard = make(self.layout.shard_numel, dtype=dtype, device=self.device)
         return self.grad_shard
 
 

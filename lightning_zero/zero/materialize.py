@@ -8,8 +8,9 @@ A parameter that replaces one holding values stays real: see [Note: the user's w
 
 The engine then materialises the model unit by unit (:func:`materialize_unit`): each meta parameter
 is swapped in place for an empty real one (``torch.utils.swap_tensors`` keeps the Python object, so
-optimizers built from it still point at it), its module's ``reset_parameters()`` runs, then the
-LightningModule's optional ``zero_init_module(module)`` hook for custom initialisation, and the unit
+optimizers built from it still point at it), its module's ``reset_parameters()`` runs, then, inside a
+Hugging Face model, that model's own ``_init_weights`` ([Note: Hugging Face models get their own
+init]), then the LightningModule's optional ``zero_init_module(module)`` hook, and the unit
 is sharded before the next one is materialised. Every rank runs the same initialisation with the
 same seed, so each keeps a consistent shard of one and the same model.
 """
@@ -17,13 +18,14 @@ same seed, so each keeps a consistent shard of one and the same model.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Generator, Optional
+from typing import Callable, Generator, Mapping, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.zero.peft_init import peft_init_calls, peft_initializers
 from lightning_zero.zero.units import Unit
 
 _INIT_VALUE = "_lightning_zero_init_value"
@@ -117,19 +119,87 @@ def _has_storage(p: torch.Tensor) -> bool:
     return local_tensor(p).untyped_storage().nbytes() > 0
 
 
+Initializer = Callable[[nn.Module], None]
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (duck-typed: transformers stays an optional dependency)."""
+    return (callable(getattr(module, "_init_weights", None)) and callable(getattr(module, "post_init", None))
+            and getattr(module, "config", None) is not None)
+
+
+def hf_initializers(model: nn.Module) -> dict[int, Initializer]:
+    """``id(module) -> init`` for every module a Hugging Face model's ``post_init`` initialised (flagged
+    ``_is_hf_initialized``): the nearest enclosing ``PreTrainedModel``'s ``_init_weights`` (a nested
+    sub-model uses its own, as transformers' ``initialize_weights`` dispatches). Computed once per model
+    ([Note: Hugging Face models get their own init])."""
+    found: dict[int, Initializer] = {}
+    stack: list[tuple[nn.Module, Optional[Initializer]]] = [(model, None)]
+    while stack:
+        module, init = stack.pop()
+        if _is_hf_model(module):
+            init = module._init_weights  # type: ignore[assignment]
+        if init is not None and getattr(module, "_is_hf_initialized", False):  # post_init visited it
+            found[id(module)] = init
+        stack.extend((child, init) for child in module.children())
+    return found
+
+
+def _hf_init_calls(
+    modules: list[nn.Module], fresh: set[int], held: set[int], hf_inits: Mapping[int, Initializer]
+) -> list[tuple[nn.Module, Initializer]]:
+    """The ``(module, its model's _init_weights)`` calls that give the fresh parameters of ``modules``
+    Hugging Face's initialisation, children before parents (as ``initialize_weights`` runs them).
+
+    [Note: Hugging Face models get their own init]
+    A ``PreTrainedModel`` built in ``configure_model`` initialises its weights in ``post_init``:
+    ``initialize_weights`` applies ``_init_weights`` to every module (normal(0, initializer_range) for
+    Linear and Embedding, ones/zeros for norms, GPT-2's c_proj scaled by 1/sqrt(2 n_layer), set by the
+    *parent* attention/MLP module by name), overriding what the constructors drew. Built on the meta
+    device it ran on nothing; then ``reset_parameters()`` alone gave torch's defaults (q_proj std 0.072
+    and embedding std 0.99 where ddp's Llama has 0.02: silently a different model, 2026-11). So after
+    ``reset_parameters()`` (the constructors' draw, kept for what ``_init_weights`` does not cover) the
+    nearest enclosing ``PreTrainedModel``'s ``_init_weights`` runs on each module with a fresh
+    parameter in its subtree, children first: HF's distribution, not ddp's draw (another RNG order, as
+    under FSDP). ``_init_weights`` is called directly: ``_initialize_weights`` would skip every module,
+    since ``post_init`` on meta already flagged them ``_is_hf_initialized``. That flag also tells which
+    modules ``post_init`` covered: one added afterwards (peft's LoRA layers, a replaced head) is left to
+    its own ``reset_parameters()``, as under ddp, not given HF's init. A module is called only
+    when every parameter it could write is fresh, held here (real, put back afterwards: [Note: the
+    user's weights are kept]) or still meta (a later unit's: a no-op); a released ZeRO-3 shard (no
+    storage) must never be written (a crash) and another unit's real weights are not ours.
+    """
+    calls = []
+    for module in reversed(modules):  # the reverse of a pre-order: every child before its parent
+        init = hf_inits.get(id(module))
+        if init is None:
+            continue
+        params = list(module.parameters())
+        if any(id(p) in fresh for p in params) and all(
+            id(p) in fresh or id(p) in held or p.is_meta for p in params
+        ):
+            calls.append((module, init))
+    return calls
+
+
 class UninitializedParameterError(RuntimeError):
     """A parameter built on the meta device that nothing initialised when it was materialised."""
 
 
 def materialize_modules(
-    modules: list[nn.Module], device: torch.device, init_hook: Optional[Callable[[nn.Module], None]] = None
+    modules: list[nn.Module], device: torch.device, init_hook: Optional[Initializer] = None,
+    hf_inits: Optional[Mapping[int, Initializer]] = None, peft_inits: Optional[Mapping[int, Initializer]] = None,
 ) -> None:
-    """Give every meta parameter of ``modules`` real storage and initialise it.
+    """Give every meta parameter of ``modules`` real storage and initialise it. ``hf_inits``: from
+    :func:`hf_initializers` of the whole model (by default, of ``modules[0]``, the whole model when
+    ``modules`` is ``list(model.modules())``).
 
     [Note: no uninitialised parameters]
     A materialised parameter gets its value from, in order: the value it was created with, kept by
     :func:`params_on_meta` when its module has no ``reset_parameters`` (a norm's ``torch.ones``);
-    its module's ``reset_parameters()``; the LightningModule's ``zero_init_module(module)`` hook.
+    its module's ``reset_parameters()``; inside a Hugging Face model, that model's ``_init_weights``
+    ([Note: Hugging Face models get their own init]); for a peft LoRA layer, peft's own adapter init
+    (peft_init.py [Note: peft adapters get their own init]); the LightningModule's ``zero_init_module(module)`` hook.
     Floating-point storage starts as NaN and is checked afterwards: a parameter none of these set
     (created on the meta device by the user, or one ``reset_parameters`` does not cover) is an error
     naming it, never silent garbage.
@@ -159,11 +229,21 @@ def materialize_modules(
                 mine = True
         if mine:
             touched.append(module)
+    if hf_inits is None:
+        hf_inits = hf_initializers(modules[0]) if modules else {}
+    hf_calls = _hf_init_calls(modules, {id(p) for _, p in fresh}, {id(p) for p, _ in held}, hf_inits)
+    if peft_inits is None:
+        peft_inits = peft_initializers(modules[0]) if modules else {}
+    peft_calls = peft_init_calls(modules, {id(p) for _, p in fresh}, peft_inits)
     with torch.no_grad():
         for module in touched:
             reset = getattr(module, "reset_parameters", None)
             if callable(reset):
                 reset()
+        for module, init in hf_calls:
+            init(module)
+        for module, init in peft_calls:  # after HF's: _init_weights would redraw lora_B too
+            init(module)
         for p, value in held:
             p.copy_(value)
         for module in touched:
@@ -173,10 +253,10 @@ def materialize_modules(
     if unset:
         raise UninitializedParameterError(
             f"Parameter(s) {unset[:5]}{'...' if len(unset) > 5 else ''} were built on the meta device (ZeRO-3 "
-            "sharded initialisation) and nothing initialised them when they were materialised: their module has no "
-            "reset_parameters() covering them and the LightningModule's zero_init_module(module) hook did not set "
-            "them (or set NaN). Give the module a reset_parameters(), initialise them in zero_init_module, or create "
-            "them outside configure_model."
+            "sharded initialisation) and nothing initialised them when they were materialised: neither their "
+            "module's reset_parameters() nor a Hugging Face model's _init_weights covers them, and the "
+            "LightningModule's zero_init_module(module) hook did not set them (or set NaN). Give the module a "
+            "reset_parameters(), initialise them in zero_init_module, or create them outside configure_model."
         )
 
 
@@ -184,8 +264,9 @@ def make_unit_materializer(
     model: nn.Module, device: torch.device, init_hook: Optional[Callable] = None
 ) -> Callable[[Unit, list[Unit]], None]:
     """A callback for Stage3Engine: materialise the modules of one unit (root: those outside all units)."""
+    hf_inits, peft_inits = hf_initializers(model), peft_initializers(model)
 
     def materialize(unit: Unit, units: list[Unit]) -> None:
-        materialize_modules(_modules_of(model, unit, units), device, init_hook)
+        materialize_modules(_modules_of(model, unit, units), device, init_hook, hf_inits, peft_inits)
 
     return materialize

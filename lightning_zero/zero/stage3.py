@@ -509,9 +509,12 @@ class Stage3Engine(Stage2Engine):
                     self._versions[u.index] = [p._version for p in u.params]
                 if u.index not in already:
                     self.release(u)
+            if writeback:  # the user set the weights: 16-bit states' Kahan words start again (states16.py)
+                self._masters_replaced()
 
     def after_master_load(self) -> None:
         """Masters were overwritten (checkpoint load): refresh the 16-bit shards and persistent units."""
+        self._masters_replaced()
         self._write_back()
 
     def sharded_params(self) -> list[Parameter]:

@@ -201,3 +201,4 @@ def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
         for key, value in scalars.items():
             new_state[key] = value.clone() if torch.is_tensor(value) else value
         opt.state[fg.master] = new_state
+    engine.after_state_load()

@@ -31,3 +31,11 @@ def sharded_init(ctx: ScenarioContext) -> dict[str, Any]:
     from tests.distributed.sharded_init import run
 
     return run()
+
+
+@scenario("distributed.hf_init")
+def hf_init(ctx: ScenarioContext) -> dict[str, Any]:
+    """``pretrained_dir``: a tiny Llama's save_pretrained folder; each rank's ``result``: see hf_init.py."""
+    from tests.distributed.hf_init import run
+
+    return run(ctx.world_size, ctx.params["pretrained_dir"])

@@ -17,6 +17,10 @@ Measured (torch 2.13 CPU; data seed 0 as below, then seeds 1 and 2):
 fp32 2.6305 / 2.5888 / 2.5952; bf16_sr +0.01 / -0.02 / +0.04 %; bf16_kahan -0.01 / -0.00 / -0.02 %;
 int8 -0.64 / -0.67 / -0.74 %; control +3.07 / +3.03 / +3.33 %. The runs are deterministic (any
 thread count), so the margins are what a CI run sees.
+
+The device path (``state_precision``, issue #33; zero/states16.py) runs the same training through a ZeRO-2
+engine whose bf16 master and moments live where the model's weights are, checked within 1 %: measured
+(data seed 0) device bf16_sr +0.02 %, device bf16_kahan +0.02 % of fp32.
 """
 
 from __future__ import annotations
@@ -36,14 +40,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from data import load_corpus, tokenize  # noqa: E402
 from gpt import GPT, GPTConfig, lm_loss  # noqa: E402
 
+from lightning_zero.config import StatePrecisionConfig  # noqa: E402
 from lightning_zero.offload.cpu import AdamHyper  # noqa: E402
 from lightning_zero.optim.host_states import HostAdamState, HostStatePrecision, load_host_op, step  # noqa: E402
+from lightning_zero.zero.stage2 import Stage2Engine  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=32)
 BATCH, STEPS, LAST = 16, 300, 20
 LR, MIN_LR, BETAS, WD = 1e-3, 1e-4, (0.9, 0.99), 0.1
 TOLERANCE = 0.02
+DEVICE_TOLERANCE = 0.01
 COMPACT: tuple[HostStatePrecision, ...] = ("bf16_sr", "bf16_kahan", "int8")
+DEVICE = ("bf16_sr", "bf16_kahan")
+"""``state_precision`` of the device path (zero/states16.py), run as ``device_<precision>``."""
 
 
 def _batches() -> Iterator[tuple[Tensor, Tensor]]:
@@ -100,6 +109,31 @@ def _train(precision: HostStatePrecision, after_step: Optional[Callable[[HostAda
     return losses
 
 
+def _train_device(precision: str) -> list[float]:
+    """The same run on the device path: a ZeRO-2 engine (one process) with ``state_precision``, its compute
+    weights the bf16 flat parameters, stepped by the engine (zero/states16.py); the model computes in fp32
+    arithmetic on fp32 copies of those weights (``functional_call``), whose gradients reach the bf16
+    parameters through the cast, as the host runs' do through ``grad16``."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=WD)
+    engine = Stage2Engine(opt, None, torch.bfloat16, torch.device("cpu"), 1 << 20,
+                          states=StatePrecisionConfig(precision))
+    assert engine.states16 is not None and engine.groups[0].master.dtype == torch.bfloat16
+    losses = []
+    for k, (x, y) in enumerate(_batches(), start=1):
+        weights = {n: p.float() for n, p in model.named_parameters()}
+        loss = lm_loss(torch.func.functional_call(model, weights, (x,)), y)
+        loss.backward()
+        engine.post_backward()
+        for pg in opt.param_groups:
+            pg["lr"] = _lr(k)
+        assert engine.step()
+        engine.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(scope="module")
 def final_losses() -> dict[str, tuple[float, float]]:
     """(first loss, mean of the last 20) per run; one thread (the runs are deterministic at any count)."""
@@ -108,6 +142,7 @@ def final_losses() -> dict[str, tuple[float, float]]:
     try:
         runs = {p: _train(p) for p in ("fp32", *COMPACT)}
         runs["control_bf16_nearest"] = _train("fp32", after_step=_round_master_to_nearest)
+        runs.update({f"device_{p}": _train_device(p) for p in DEVICE})
     finally:
         torch.set_num_threads(threads)
     result = {name: (losses[0], sum(losses[-LAST:]) / LAST) for name, losses in runs.items()}
@@ -129,6 +164,13 @@ def test_fp32_baseline_learns(final_losses: dict[str, tuple[float, float]]) -> N
 def test_compact_state_converges_like_fp32(final_losses: dict[str, tuple[float, float]], precision: str) -> None:
     rel = _relative(final_losses, precision)
     assert abs(rel) <= TOLERANCE, f"{precision}: final loss {final_losses[precision][1]:.4f} is {rel:+.2%} of fp32's"
+
+
+@pytest.mark.parametrize("precision", DEVICE)
+def test_device_states_converge_like_fp32(final_losses: dict[str, tuple[float, float]], precision: str) -> None:
+    """The device path (``state_precision``, issue #33): the same check, within 1 %."""
+    rel = _relative(final_losses, f"device_{precision}")
+    assert abs(rel) <= DEVICE_TOLERANCE, f"device {precision}: final loss is {rel:+.2%} of fp32's"
 
 
 def test_check_catches_a_bf16_master_rounded_to_nearest(final_losses: dict[str, tuple[float, float]]) -> None:

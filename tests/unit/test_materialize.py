@@ -119,3 +119,39 @@ def test_a_module_that_also_gets_a_new_parameter_keeps_its_real_ones() -> None:
     assert lin.bias.is_meta and not lin.weight.is_meta
     materialize_modules([lin], torch.device("cpu"))
     assert torch.equal(lin.weight, weight) and not bool(torch.isnan(lin.bias).any())
+
+
+def test_a_hugging_face_model_built_on_meta_gets_its_own_init_and_keeps_the_users_weights() -> None:
+    """[Note: Hugging Face models get their own init]: after materialisation a GPT-2 built on meta has HF's
+    init (embeddings std 0.02 not torch's 1.0, LayerNorms ones/zeros, c_proj scaled by its parent module), the
+    nearest PreTrainedModel's _init_weights is found under a plain wrapper, and a real weight the user put
+    in place survives its parent's _init_weights (held and put back), and a module added after post_init keeps
+    torch's init."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_zero.zero.materialize import hf_initializers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32)
+    torch.manual_seed(0)
+    wrapper = nn.Module()
+    with params_on_meta():
+        wrapper.gpt = transformers.GPT2LMHeadModel(cfg)
+        wrapper.head = nn.Linear(4, 4)  # outside the HF model: torch's reset_parameters, as under ddp
+        wrapper.gpt.transformer.h[1].attn.c_proj.weight = nn.Parameter(torch.full((64, 64), 0.5))
+        wrapper.gpt.score = nn.Linear(64, 64)  # added after post_init (as peft's LoRA layers): torch's init
+    gpt = wrapper.gpt
+    inits = hf_initializers(wrapper)
+    # the nearest PreTrainedModel, as transformers' smart_apply dispatches: GPT2Model is one itself
+    assert inits[id(gpt.transformer.h[0].mlp.c_fc)].__self__ is gpt.transformer
+    assert inits[id(gpt.lm_head)].__self__ is gpt and id(wrapper.head) not in inits
+    assert id(wrapper) not in inits
+    materialize_modules(list(wrapper.modules()), torch.device("cpu"), hf_inits=inits)
+    assert abs(gpt.transformer.wte.weight.std().item() / 0.02 - 1) < 0.1
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight  # the tie survives
+    assert torch.equal(gpt.transformer.h[0].ln_1.weight, torch.ones(64))
+    assert torch.equal(gpt.transformer.h[0].attn.c_attn.bias, torch.zeros(192))
+    assert abs(gpt.transformer.h[0].attn.c_proj.weight.std().item() / (0.02 / 2) - 1) < 0.1  # 0.02 / sqrt(2 * 2)
+    assert torch.equal(gpt.transformer.h[1].attn.c_proj.weight, torch.full((64, 64), 0.5))  # the user's
+    assert id(gpt.score) not in inits
+    assert gpt.score.weight.abs().max() <= 1 / 8 and gpt.score.weight.std() > 0.06  # torch's: uniform(+-1/sqrt(64))
+    bound = 1 / 2  # Linear(4, 4): kaiming_uniform(a=sqrt(5)) bound 1/sqrt(fan_in)
+    assert wrapper.head.weight.abs().max() <= bound and wrapper.head.weight.std() > 0.1
