@@ -17,6 +17,7 @@ same seed, so each keeps a consistent shard of one and the same model.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable, Generator, Mapping, Optional
 
@@ -25,8 +26,11 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from lightning_zero.parallel.dtensor import local_tensor
+from lightning_zero.zero.init_replay import recording, replay, start_record, take_record
 from lightning_zero.zero.peft_init import peft_init_calls, peft_initializers
 from lightning_zero.zero.units import Unit
+
+log = logging.getLogger(__name__)
 
 _INIT_VALUE = "_lightning_zero_init_value"
 """Attribute of a meta parameter holding the value it was created with (see params_on_meta)."""
@@ -87,6 +91,7 @@ def params_on_meta(existing: Optional[nn.Module] = None) -> Generator[None, None
         if module._parameters.get(name) is not None or id(param) in before:  # the user's values
             return None
         meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        start_record(meta)  # what the model does to it from here on is replayed ([Note: init replayed, not guessed])
         if not callable(getattr(module, "reset_parameters", None)):
             # nothing could re-create this value (``nn.Parameter(torch.ones(d))`` in a norm): keep it,
             # on the host, for materialize_modules ([Note: no uninitialised parameters])
@@ -98,7 +103,8 @@ def params_on_meta(existing: Optional[nn.Module] = None) -> Generator[None, None
 
     handle = register_module_parameter_registration_hook(to_meta)
     try:
-        yield
+        with recording():
+            yield
     finally:
         handle.remove()
 
@@ -206,6 +212,7 @@ def materialize_modules(
     """
     touched = []
     fresh: list[tuple[str, nn.Parameter]] = []
+    records: list[tuple[str, nn.Parameter, Optional[list]]] = []
     # a reset_parameters() below resets every parameter of its module (a parent's, its children's too):
     # the real ones among them are the user's ([Note: the user's weights are kept]), put back afterwards
     own = {id(p): p for m in modules for p in m.parameters(recurse=False)}
@@ -216,6 +223,9 @@ def materialize_modules(
         for name, p in list(module.named_parameters(recurse=False)):
             if p.is_meta:
                 init = getattr(p, _INIT_VALUE, None)
+                recorded, ops = take_record(p)
+                if recorded:
+                    records.append((f"{type(module).__name__}.{name}", p, ops))
                 real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
                 with torch.no_grad():
                     if init is not None:
@@ -244,11 +254,21 @@ def materialize_modules(
             init(module)
         for module, init in peft_calls:  # after HF's: _init_weights would redraw lora_B too
             init(module)
+        for _, p, ops in records:  # what the model's own __init__ did, in its order (init_replay.py)
+            if ops:
+                replay(p, ops)
         for p, value in held:
             p.copy_(value)
         for module in touched:
             if init_hook is not None:
                 init_hook(module)
+    lost = [name for name, _, ops in records if ops is None]
+    if lost:
+        log.warning(
+            "lightning_zero: the init the model ran on %s while it was built on the meta device read other meta "
+            "tensors (e.g. orthogonal_ or an SVD) and cannot be replayed: they keep their modules' own init. Build "
+            "the model in __init__, or initialise them in the LightningModule's zero_init_module(module) hook.",
+            lost[:5])
     unset = [name for name, p in fresh if p.is_floating_point() and bool(torch.isnan(p).any())]
     if unset:
         raise UninitializedParameterError(
