@@ -10,8 +10,9 @@ The engine then materialises the model unit by unit (:func:`materialize_unit`): 
 is swapped in place for an empty real one (``torch.utils.swap_tensors`` keeps the Python object, so
 optimizers built from it still point at it), its module's ``reset_parameters()`` runs, then, inside a
 Hugging Face model, that model's own ``_init_weights`` ([Note: Hugging Face models get their own
-init]), then the LightningModule's optional ``zero_init_module(module)`` hook, and the unit
-is sharded before the next one is materialised. Every rank runs the same initialisation with the
+init]), then the init ops the model's own ``__init__`` ran, recorded while it was built (init_replay.py
+[Note: init replayed, not guessed]), then the LightningModule's optional ``zero_init_module(module)``
+hook, and the unit is sharded before the next one is materialised. Every rank runs the same initialisation with the
 same seed, so each keeps a consistent shard of one and the same model.
 """
 
