@@ -17,9 +17,9 @@ re-deriving the view). ``nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_`` a
 neither dispatch nor run on meta tensors, are wrapped while the context is active. At materialisation
 the record replays on the real parameter, after ``reset_parameters()``: the constructor's ops and
 everything the model did afterwards, in the order it did them, i.e. the init the model would have had
-built normally (from other random draws, as under FSDP). An op that reads another meta tensor (a copy from another parameter built there, PiSSA's SVD
-of a meta base weight) cannot be replayed: the parameter keeps the earlier initialisers' values and a warning
-names it (build the model in ``__init__``, or initialise it in ``zero_init_module``).
+built normally (from other random draws, as under FSDP). An op that reads another meta tensor (a copy
+from another parameter built there, PiSSA's SVD of a meta base weight) cannot be replayed: the parameter
+keeps the earlier initialisers' values and a warning names it (build the model in ``__init__``, or initialise it in ``zero_init_module``).
 """
 
 from __future__ import annotations
