@@ -9,17 +9,17 @@ and its scaled ``c_proj`` loop, timm's ``init_weights``, a user's ``nn.init.zero
 Built that way, nanoGPT's embedding had std 0.051 (torch's Linear draw, through the tie) where ddp's
 has 0.020 (2026-11): silently another model.
 
-So while the model is built, every in-place op applied to a parameter that went to the meta device is
-recorded on it, in order, with its arguments: ``nn.init`` functions that dispatch (``normal_``,
-``uniform_``, ``kaiming_uniform_``, ...), tensor methods (``normal_``, ``fill_``, ``zero_``, ...), and
-ops through ``.data``/``detach()`` aliases and views (``weight[padding_idx].fill_(0)``: replayed by
-re-deriving the view). ``nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_`` and ``dirac_``, which
-neither dispatch nor run on meta tensors, are wrapped while the context is active. At materialisation
-the record replays on the real parameter, after ``reset_parameters()``: the constructor's ops and
-everything the model did afterwards, in the order it did them, i.e. the init the model would have had
-built normally (from other random draws, as under FSDP). An op that reads another meta tensor (a copy
-from another parameter built there, PiSSA's SVD of a meta base weight) cannot be replayed: the parameter
-keeps the earlier initialisers' values and a warning names it (build the model in ``__init__``, or initialise it in ``zero_init_module``).
+So while the model is built, every in-place op applied to a parameter that went to the meta device is recorded
+on it, in order, with its arguments: ``nn.init`` functions that dispatch (``normal_``, ``uniform_``,
+``kaiming_uniform_``, ...), tensor methods (``normal_``, ``fill_``, ``zero_``, ...), and ops through
+``.data``/``detach()`` aliases and views (``weight[padding_idx].fill_(0)``: replayed by re-deriving the view).
+``nn.init.trunc_normal_``, ``orthogonal_``, ``sparse_`` and ``dirac_``, which neither dispatch nor run on meta
+tensors, are wrapped while the context is active. At materialisation the record replays on the real parameter,
+after ``reset_parameters()``: the constructor's ops and everything the model did afterwards, in the order it
+did them, i.e. the init the model would have had built normally (from other random draws, as under FSDP). An
+op that reads another meta tensor (a copy from another parameter built there, PiSSA's SVD of a meta base
+weight) cannot be replayed: the parameter keeps the earlier initialisers' values and a warning names it (build
+the model in ``__init__``, or initialise it in ``zero_init_module``).
 """
 
 from __future__ import annotations
