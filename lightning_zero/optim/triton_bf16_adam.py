@@ -24,18 +24,7 @@ from torch import Tensor
 from lightning_zero.offload.cpu import AdamHyper
 from lightning_zero.optim.reference_lowp import _Coeffs, sr_key
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None
-    tl = None
-
-_BLOCK = 1024
-
-
-def triton_available() -> bool:
-    return triton is not None
+from lightning_zero.optim.triton_adam import _BLOCK, tl, triton, triton_available  # one import guard for Triton
 
 
 if triton is not None:
