@@ -131,6 +131,8 @@ CONFIGS: dict[str, PeerConfig] = {
         PeerConfig("zero3_bf16sr_g16", _zero(3, state_precision="bf16_sr", grad_shard_precision="bf16"),
                    build_in="configure_model"),
         PeerConfig("zero3_bf16kahan", _zero(3, state_precision="bf16_kahan"), build_in="configure_model"),
+        PeerConfig("zero3_fp8", _zero(3, fp8="tensorwise"), build_in="configure_model"),
+        PeerConfig("zero3_fp8_rowwise", _zero(3, fp8="rowwise"), build_in="configure_model"),
     )
 }
 """How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""

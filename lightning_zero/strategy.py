@@ -497,7 +497,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
-        if not len(self._zero):
+        if not len(self._zero) and not _has_meta_tensors(self.lightning_module):
             super().teardown()
             return
         # Lightning's teardown moves the module and optimizer state to the CPU. Not here: the engines
@@ -525,3 +525,12 @@ def _loop_kind(trainer: Optional["pl.Trainer"]) -> Optional[str]:
         if flag:
             return kind
     return None
+
+
+def _has_meta_tensors(module: Optional[Any]) -> bool:
+    """Whether a module built in ``configure_model`` is still on the meta device (setup failed before the engines
+    materialised it): Lightning's teardown would move it to the CPU and raise "Cannot copy out of meta tensor", hiding
+    the error that stopped setup."""
+    if module is None:
+        return False
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -201,6 +201,32 @@ def test_the_strategy_refuses_fp32_at_setup() -> None:
         fabric.setup(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)))
 
 
+def test_a_setup_refusal_under_zero3_is_the_error_the_user_sees(tmp_path: Path) -> None:
+    """Trainer front door, model built on the meta device in configure_model: fp8 without an fp8 GPU is refused at
+    setup, and that refusal (not Lightning's teardown failing to move meta tensors to the CPU) is what is raised."""
+    import lightning.pytorch as pl
+
+    import lightning_zero
+
+    class Tiny(pl.LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "net"):
+                self.net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.net(batch).square().mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+                         strategy=lightning_zero.ZeroStrategy(stage=3, fp8="tensorwise"))
+    data = torch.utils.data.DataLoader(torch.randn(4, 32), batch_size=2)
+    with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
+        trainer.fit(Tiny(), data)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs a CUDA GPU with compute capability >= 8.9")
