@@ -44,8 +44,6 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 from benchmarks.peers import SAFE_ENV, dist_version, nvidia_smi, reap_workers, reason_from_tail, run_child, worker_launch  # noqa: E402
 from benchmarks.presets import llama_preset  # noqa: E402

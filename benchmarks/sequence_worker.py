@@ -42,8 +42,6 @@ from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -319,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     L.seed_everything(0, verbose=False)
-    pinned = exact_pinned_sizes() if args.device == "cuda" else "n/a"
+    # the probe touches CUDA before the strategy picks this rank's device: one GPU only (nothing to pin under sp)
+    pinned = exact_pinned_sizes() if args.device == "cuda" and args.mode == "longest" else "n/a"
     watch = HostWatch()
     _, dims = llama_preset(args.model, args.layers, args.seq_len)
     local = args.seq_len // (args.devices if args.mode == "sp" else 1)
