@@ -263,9 +263,20 @@ def run_longest(args: argparse.Namespace, out_dir: Path, results: Path) -> list[
     bad: list[int] = []
     rows: list[tuple[int, list[dict[str, Any]]]] = []
     costs: list[tuple[int, float]] = []  # (length, seconds of its try)
+    def estimate(n: int) -> float:
+        return SETUP_S + args.steps * step_seconds(dims, n, args.peak_tflops * 1e12) if args.device == "cuda" else 30.0
+
+    if not fixed and not args.start and estimate(seq) > args.budget_s:  # memory allows more than time does
+        first = seq
+        while seq > resolution and estimate(seq) > args.budget_s:
+            seq -= resolution
+        note = (f"The planned ceiling {fmt_tokens(first)} needs ~{estimate(first):.0f} s, over --budget-s "
+                f"{args.budget_s:.0f}: the search starts at {fmt_tokens(seq)}, the longest whose try fits it.")
+        print(note, flush=True)
+        lines.append(note)
     while seq is not None and len(rows) < (len(fixed) if fixed else args.max_tries):
         left = deadline - time.monotonic()
-        guess = SETUP_S + args.steps * step_seconds(dims, seq, args.peak_tflops * 1e12) if args.device == "cuda" else 30.0
+        guess = estimate(seq)
         if costs:  # scale the slowest try seen by the step's quadratic growth
             s0, t0 = max(costs, key=lambda c: c[1])
             guess = max(guess * 0.5, t0 * (seq / s0) ** 2 if seq > s0 else t0 * 0.5)
