@@ -90,6 +90,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     lo.add_argument("--growth", type=float, default=1.125, help="factor between tries until one fails")
     lo.add_argument("--resolution", default="16K", help="stop bisecting when the gap is this small")
     lo.add_argument("--max-tries", type=int, default=6)
+    lo.add_argument("--max-seq", default=None, help="longest length the search tries (default: the absolute bound)")
     lo.add_argument("--try-timeout-s", type=float, default=590.0)
     lo.add_argument("--gpu-ckpt-layers", default="auto", help="layers checkpointed on the GPU (auto: what the host cannot hold)")
     lo.add_argument("--host-margin-gib", type=float, default=8.0, help="host memory the plan leaves free")
@@ -256,6 +257,7 @@ def run_longest(args: argparse.Namespace, out_dir: Path, results: Path) -> list[
     if args.plan_only:
         return lines
     resolution = tokens(args.resolution)
+    bound = min(bound, tokens(args.max_seq)) if args.max_seq else bound
     fixed = [tokens(s) for s in args.seq_lens.split(",")] if args.seq_lens else None
     seq = fixed[0] if fixed else (tokens(args.start) if args.start else planned)
     deadline = time.monotonic() + args.budget_s
@@ -298,22 +300,26 @@ def run_longest(args: argparse.Namespace, out_dir: Path, results: Path) -> list[
 
 def longest_table(args: argparse.Namespace, dims: dict[str, int], rows: list[tuple[int, list[dict[str, Any]]]],
                   ok: list[int]) -> list[str]:
-    out = ["| tokens | status | s/step | tokens/s | MFU | peak GPU GiB (alloc / reserved) | peak RSS GiB | host used "
-           "peak GiB | ckpt layers GPU / host | tiles | pinned |", "|" + " --- |" * 11]
+    out = ["| tokens | status | s/step | tokens/s | MFU | peak GPU GiB (alloc / reserved) | GPU KiB per token beside "
+           "the checkpoints | peak RSS GiB | host used peak GiB | ckpt layers GPU / host | tiles | pinned |",
+           "|" + " --- |" * 12]
     for seq, got in rows:
         rank = next((r for r in got if r.get("kind") == "rank"), None)
         if rank is None:
             err = got[0] if got else {}
             out.append(f"| {fmt_tokens(seq)} | {err.get('status', 'failed')}: {str(err.get('reason', ''))[:160]} |"
-                       + " - |" * 9)
+                       + " - |" * 10)
             continue
         step = rank["step_times_s"][-1]
         mfu = seq * flops_per_token(dims, seq) / step / (args.peak_tflops * 1e12) if args.device == "cuda" else None
         applied = rank.get("applied", {})
+        peak = rank.get("peak_gpu_bytes")  # what the planning figure GPU_BYTES_PER_TOKEN stands for, measured:
+        beside = None if peak is None else (peak - rank["gpu_ckpt_layers"] * 2 * dims["hidden_size"] * seq) / seq / 1024
         out.append(
             f"| {fmt_tokens(seq)} | ok (step {len(rank['step_times_s'])}) | {step:.1f} | {seq / step:,.0f} | "
             f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {gib(rank.get('peak_gpu_bytes'))} / "
-            f"{gib(rank.get('peak_gpu_reserved_bytes'))} | {gib(rank.get('peak_rss_bytes'))} | "
+            f"{gib(rank.get('peak_gpu_reserved_bytes'))} | {'-' if beside is None else f'{beside:.0f}'} | "
+            f"{gib(rank.get('peak_rss_bytes'))} | "
             f"{gib(rank.get('host_used_peak_bytes'))} | {rank['gpu_ckpt_layers']} / {applied.get('offloaded', '?')} | "
             f"{rank['tiles']} | {rank['pinned_rounding']} |")
     best = max(ok, default=None)
