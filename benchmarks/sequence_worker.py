@@ -17,13 +17,14 @@ random sequence per step, the loss the token mean of a chunked cross-entropy
   checkpointed on the GPU (no offload), as DeepSpeed's ALST recipe runs in ``sequence_ds.py``.
 
 [Note: where the checkpoints go]
-A checkpointed layer keeps its inputs: the hidden states (``2 d`` bytes per token), and, because torch's
-non-reentrant checkpoint saves every tensor argument, HF's rotary ``cos``/``sin`` (``2 x 2 head_dim``) and
-the int64 ``position_ids``/``cache_position`` (``16``): 8720 bytes per token per layer at Llama-8B's shape.
-Offloaded, each layer's copies are separate pinned host buffers; torch's caching pinned allocator rounds
-every block up to a power of two unless ``pinned_max_round_threshold_mb`` is set (this worker sets it and
-checks it took, ``pinned_rounding`` in the record). ``--gpu-ckpt-layers auto`` keeps on the GPU only as many
-layers as the host cannot hold: ``host_free = MemAvailable - offload states (estimator) - margin``.
+A checkpointed layer keeps its inputs: the hidden states, ``2 d`` bytes per token (HF passes the rotary
+``cos``/``sin`` and the position ids by keyword, which torch's non-reentrant checkpoint holds by reference,
+one copy for all layers). Offloaded, each layer's copy is its own pinned host block; torch's caching pinned
+allocator rounds every block up to a power of two unless ``pinned_max_round_threshold_mb`` is set (this
+worker sets it on one GPU and checks that it took: ``pinned_rounding`` in the record). ``--gpu-ckpt-layers
+auto`` keeps on the GPU only as many layers as the host cannot hold: ``host_free = MemAvailable - offload
+states (lightning_zero's estimator) - margin`` (sequence_plan.py [Note: the long-sequence ceiling of one
+machine]).
 
 Writes one JSON line per rank to ``--results-file`` (``kind: rank``) or an error row (``status``: 'oom-gpu',
 'oom-host', 'failed', 'skipped'); ``sequence.py`` renders them.
@@ -278,15 +279,16 @@ def build_strategy(args: argparse.Namespace, dims: dict[str, int], keep: int, ti
 
 def what_ran(module: LongLlama) -> dict[str, int]:
     """How many decoder layers ran checkpointed, with host-offloaded checkpoints, with a tiled MLP (read back
-    from the modules, not restated from the arguments)."""
+    from the modules, not restated from the arguments), and the offloader's peak of live host copies."""
     from lightning_zero.activations.offload import is_checkpointed, offloader_of
     from lightning_zero.sequence.tiled_mlp import TILED
 
     assert module.model is not None
     layers = list(module.model.model.layers)
-    return {"checkpointed": sum(is_checkpointed(m) for m in layers),
-            "offloaded": sum(offloader_of(m) is not None for m in layers),
-            "tiled_mlp": sum(bool(getattr(m.mlp, TILED, None)) for m in layers)}
+    offloaders = [o for m in layers if (o := offloader_of(m)) is not None]
+    return {"checkpointed": sum(is_checkpointed(m) for m in layers), "offloaded": len(offloaders),
+            "tiled_mlp": sum(bool(getattr(m.mlp, TILED, None)) for m in layers),
+            "host_ckpt_peak_bytes": offloaders[0].stats.peak_bytes if offloaders else 0}
 
 
 def classify(exc: BaseException) -> str:

@@ -31,7 +31,10 @@ def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
     rows, table = _bench(tmp_path / "longest", "longest", "--device", "cpu", "--model", "tiny", "--seq-lens", "512",
                          "--gpu-ckpt-layers", "1")
     (rank,) = [r for r in rows if r["kind"] == "rank"]
-    assert rank["applied"] == {"checkpointed": 2, "offloaded": 1, "tiled_mlp": 2}  # read back from the modules
+    # read back from the modules; the host holds exactly what the plan counts: one layer's 2 x hidden bytes per token
+    assert rank["applied"] == {"checkpointed": 2, "offloaded": 1, "tiled_mlp": 2,
+                               "host_ckpt_peak_bytes": host_ckpt_bytes_per_layer(llama_preset("tiny")[1], 512, False)}
+    assert rank["applied"]["host_ckpt_peak_bytes"] == 2 * 256 * 512
     assert rank["tiles"] == 2 and rank["seq_len"] == 512 and rank["tokens_per_s"] > 0
     assert abs(rank["loss"] - math.log(VOCAB)) < 0.5  # the token mean of the chunked loss, random weights
     assert "| 512 | ok (step 1) |" in table and "Longest sequence that trained: 512 tokens" in table
@@ -42,7 +45,8 @@ def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
                          "--seq-lens", "1024", "--steps", "2", "--profile")
     ranks = [r for r in rows if r["kind"] == "rank"]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
-    assert all(r["applied"] == {"checkpointed": 2, "offloaded": 0, "tiled_mlp": 2} for r in ranks)
+    assert all(r["applied"] == {"checkpointed": 2, "offloaded": 0, "tiled_mlp": 2, "host_ckpt_peak_bytes": 0}
+               for r in ranks)
     assert all(len(r["step_times_s"]) == 2 for r in ranks)  # the profiled third step is not timed
     assert abs(sum(r["loss"] for r in ranks) / 2 - math.log(VOCAB)) < 0.5  # ranks' shares average to the global mean
     assert all("CPU run" in r["comm"]["note"] for r in ranks)
