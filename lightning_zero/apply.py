@@ -39,7 +39,9 @@ from torch.optim import Optimizer
 from lightning_zero.activations.policy import apply_activation_offload
 from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
-from lightning_zero.config import Fp8Config, OffloadConfig, QuantCommConfig, Stage3Config, StatePrecisionConfig
+from lightning_zero.config import (
+    Fp8Config, OffloadConfig, QuantCommConfig, SequenceConfig, Stage3Config, StatePrecisionConfig,
+)
 from lightning_zero.engines import Engines, check_optimizers_own_their_params
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
@@ -50,6 +52,7 @@ from lightning_zero.parallel.validate import check_tensor_parallel
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.quant import fp8
+from lightning_zero.sequence.apply import tile_module_mlps
 from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import compile_for_strategy
 from lightning_zero.zero.engine import ZeroEngine
@@ -95,6 +98,8 @@ def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims
     stay meta: materialised later, unit by unit) with rank 0's weights and buffers; remembers the dtypes the
     checkpoints restore."""
     fp8.convert(module, engines.config.piece(Fp8Config), device, str(engines.precision.precision))  # 0
+    if engines.config.sequence_parallel == 1:  # with SP, sequence/apply.py tiled them with the attention
+        tile_module_mlps(module, engines.config.piece(SequenceConfig))
     if dims.tp > 1:
         check_tensor_parallel(module, dims.tp)
     bind_expert_parallel(module, engines.config.expert_parallel, dims.ep_group)  # before the broadcast

@@ -62,9 +62,15 @@ def prepare_module(module: nn.Module, config: SequenceConfig, dims: ParallelDims
         prepare_hf(model, context)
     if not models:
         attach(list(module.modules()), context)
+    tile_module_mlps(module, config)
+    return context
+
+
+def tile_module_mlps(module: nn.Module, config: SequenceConfig) -> None:
+    """``tiled_mlp`` > 1: tile every ``mlp`` of ``module`` (with or without sequence parallelism: it is a memory
+    switch of its own, and a switch that silently did nothing would be a lie); none found is refused."""
     if config.tiled_mlp > 1 and tile_mlps(module, config.tiled_mlp) == 0:
         raise ValueError(f"tiled_mlp={config.tiled_mlp}: {type(module).__name__} has no submodule named 'mlp'")
-    return context
 
 
 def check_attention_ran(context: SequenceContext, module: nn.Module) -> None:

@@ -106,3 +106,38 @@ def test_tile_mlps_finds_the_blocks_mlps() -> None:
     keys = list(model.state_dict())
     assert tile_mlps(model, 2) == 3
     assert list(model.state_dict()) == keys
+
+
+def test_tiled_mlp_without_sequence_parallel_is_applied_not_ignored() -> None:
+    """``tiled_mlp`` is a memory switch of its own: with ``sequence_parallel=1`` the strategy tiles the MLPs (it once
+    did nothing there, silently), trains as the untiled model does, and refuses a model with no ``mlp``."""
+    import copy
+
+    from lightning.fabric import Fabric
+
+    import lightning_zero
+    from lightning_zero.sequence.tiled_mlp import TILED
+    from tests.zoo.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, block_size=16))
+    plain = copy.deepcopy(model)
+    idx = torch.randint(0, 64, (2, 16))
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true",
+                    strategy=lightning_zero.ZeroFabricStrategy(stage=2, tiled_mlp=4))
+    fabric.launch()
+    tiled = fabric.setup_module(model)
+    mlps = [b.mlp for b in model.transformer.h]
+    assert [getattr(m, TILED, None) for m in mlps] == [4, 4]
+    loss = tiled(idx, idx)[1]
+    fabric.backward(loss)
+    ref = plain(idx, idx)[1]
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach())
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and tensor_rel(p.grad, q.grad) < 1e-6, name
+    from lightning_zero.config import SequenceConfig
+    from lightning_zero.sequence.apply import tile_module_mlps
+
+    with pytest.raises(ValueError, match="tiled_mlp=2: Sequential has no submodule named 'mlp'"):
+        tile_module_mlps(nn.Sequential(nn.Linear(4, 4)), SequenceConfig(tiled_mlp=2))
