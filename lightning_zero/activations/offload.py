@@ -9,7 +9,8 @@ trained with block-level checkpointing holds one ``batch x seq x d_model`` tenso
 saved *outside* the region's own hook, so a ``saved_tensors_hooks`` pair opened around the
 checkpoint call sees exactly them (and nothing the region saves): :class:`HostOffloader`'s pack hook
 copies each one into pinned host memory on a side stream (the device copy is freed once the copy has
-run: ``record_stream`` keeps the caching allocator from reusing it earlier), and its unpack hook, called
+run: ``record_stream`` keeps the caching allocator from reusing it earlier; large host copies take exact-size
+blocks, host_blocks.py [Note: exact-size checkpoint blocks]), and its unpack hook, called
 when backward reaches the region and recomputes it, brings it back. The values are copied bit for bit,
 so losses and gradients equal plain non-reentrant checkpointing exactly.
 
@@ -38,6 +39,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_zero.activations.host_blocks import EXACT_MIN_BYTES, HostBlocks
+
 OFFLOAD_CHOICES = ("cpu", "none")
 """``offload`` values: 'cpu' (checkpoints in pinned host memory) or 'none' (plain non-reentrant checkpointing)."""
 
@@ -61,7 +64,7 @@ class OffloadStats:
 class _Handle:
     """One offloaded tensor: its host copy and, once fetched, the device copy on its way back."""
 
-    __slots__ = ("host", "device", "offloaded", "fetched", "back", "prev", "unpacked", "__weakref__")
+    __slots__ = ("host", "device", "offloaded", "fetched", "back", "prev", "unpacked", "events", "__weakref__")
 
     def __init__(self, host: Tensor, device: torch.device, prev: Optional["_Handle"]) -> None:
         self.host = host
@@ -71,6 +74,8 @@ class _Handle:
         self.back: Optional[Tensor] = None
         self.prev = weakref.ref(prev) if prev is not None else None
         self.unpacked = False
+        self.events: list[torch.cuda.Event] = []
+        """Every copy that reads or writes ``host`` (an exact-size block is reused only after them)."""
 
 
 @dataclass
@@ -90,6 +95,7 @@ class HostOffloader:
     stats: OffloadStats = field(default_factory=OffloadStats)
     _last: Optional[weakref.ref] = field(default=None, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
+    _blocks: Optional[HostBlocks] = field(default=None, repr=False)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context manager to open around a checkpoint call."""
@@ -106,9 +112,20 @@ class HostOffloader:
         if isinstance(t, nn.Parameter) or t.device.type not in ("cpu", "cuda") or t.numel() * t.element_size() < self.min_bytes:
             return t  # weights stay where they are; so do tiny and exotic tensors
         pin = self.pin_memory if self.pin_memory is not None else torch.cuda.is_available()
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        nbytes = t.numel() * t.element_size()
+        exact = pin and t.device.type == "cuda" and nbytes >= EXACT_MIN_BYTES  # [Note: exact-size checkpoint blocks]
+        if exact:
+            if self._blocks is None:
+                self._blocks = HostBlocks(pin=True)
+            block = self._blocks.take(nbytes)
+            host = block.view(t.dtype).view(t.shape)
+        else:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
         last = self._last() if self._last is not None else None
         handle = _Handle(host, t.device, last)
+        if exact:
+            assert self._blocks is not None
+            weakref.finalize(handle, self._blocks.give_back, block, handle.events)
         if t.device.type == "cuda":
             stream = self._stream(t.device)
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is fully written
@@ -116,10 +133,10 @@ class HostOffloader:
                 host.copy_(t.detach(), non_blocking=True)
                 handle.offloaded = torch.cuda.Event()
                 handle.offloaded.record(stream)
+                handle.events.append(handle.offloaded)
             t.record_stream(stream)  # its memory is not reused before the copy has read it
         else:
             host.copy_(t.detach())
-        nbytes = host.numel() * host.element_size()
         self.stats.packed += 1
         self.stats.live_bytes += nbytes
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.live_bytes)
@@ -158,6 +175,7 @@ class HostOffloader:
             back.copy_(handle.host, non_blocking=True)
             handle.fetched = torch.cuda.Event()
             handle.fetched.record(stream)
+            handle.events.append(handle.fetched)
         handle.back = back
 
 

@@ -147,3 +147,60 @@ def test_policy_wraps_repeated_blocks_or_named_classes_once() -> None:
     assert len(shared) == 1  # one offloader: prefetch across blocks
     other = _model(checkpointing=False)
     assert apply_activation_offload(other, ["MLP"]) == [b.mlp for b in other.blocks]
+
+
+def test_host_blocks_are_exact_size_and_reused_after_their_copies() -> None:
+    """host_blocks.py [Note: exact-size checkpoint blocks]: a block is exactly the bytes asked (to the page; no
+    power-of-two rounding), a freed block of that size is handed out again (same storage), after its events ran."""
+    from lightning_zero.activations.host_blocks import HostBlocks
+
+    class Event:
+        synced = 0
+
+        def synchronize(self) -> None:
+            Event.synced += 1
+
+    blocks = HostBlocks(pin=False)  # page-locking needs CUDA; the bookkeeping is the same
+    size = (5 << 20) + 4096  # 5 MiB + one page: a power-of-two allocator would take 8 MiB
+    a = blocks.take(size)
+    assert a.numel() == size and blocks.capacity_bytes == size
+    blocks.give_back(a, [Event(), None])
+    b = blocks.take(size)
+    assert b.data_ptr() == a.data_ptr() and Event.synced == 1 and blocks.capacity_bytes == size
+    c = blocks.take(size)  # the only block of that size is in use: a new one
+    assert c.data_ptr() != b.data_ptr() and blocks.capacity_bytes == 2 * size
+    blocks.release()
+    assert blocks.capacity_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_large_checkpoints_take_exact_pinned_blocks_reused_every_step() -> None:
+    """On CUDA: checkpoints of >= 16 MiB sit in exact-size page-locked blocks (not rounded to a power of two), the
+    second step reuses the first step's blocks, and gradients equal plain checkpointing bit for bit."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*[nn.Linear(1536, 1536) for _ in range(3)]).cuda()
+    x = torch.randn(3000, 1536, device="cuda")  # 3000 x 1536 fp32 = 17.6 MiB a checkpoint, not a power of two
+    offloader = HostOffloader()
+
+    def run(use: bool) -> list[torch.Tensor]:
+        layers.zero_grad(set_to_none=True)
+        h = x
+        for layer in layers:
+            if use:
+                with offloader.hooks():
+                    h = torch_checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = torch_checkpoint(layer, h, use_reentrant=False)
+        h.square().mean().backward()
+        return [p.grad.clone() for p in layers.parameters()]
+
+    ref = run(False)
+    first = run(True)
+    blocks = offloader._blocks
+    assert blocks is not None and blocks.capacity_bytes == 3 * 3000 * 1536 * 4
+    second = run(True)
+    torch.cuda.synchronize()
+    assert blocks.capacity_bytes == 3 * 3000 * 1536 * 4  # reused, not grown
+    for r, a, b in zip(ref, first, second):
+        assert torch.equal(r, a) and torch.equal(r, b)
