@@ -6,12 +6,17 @@
     python3 benchmarks/inference.py --device cpu --model llama_tiny --new-tokens 8 --dtype float32 \
         --backend eager                                               # CPU smoke, seconds
     python3 benchmarks/inference.py --offload --batch 16 --new-tokens 8      # ZeRO-Inference from host memory
+    torchrun --nproc-per-node 2 benchmarks/inference.py --tp 2           # batch-1 latency, tp 2 against tp 1
 
 ``--offload``: the model built on the meta device in ``configure_model`` and materialised by the evaluation
 engine unit by unit into pinned host memory (``zero3_offload``, one device, ``bf16-mixed``), decoding
 ``--batch`` prompts in ``predict_step``: every forward streams every unit's weights to the device once, so
 its roofline is ``batch x`` the host-to-device bandwidth (measured, pinned) / weight bytes (target: >= 0.8x;
 HF Accelerate's ``device_map="auto"`` offload, the issue's peer, is not in this script yet).
+
+``--tp 2`` (under torchrun, one process per GPU): every rank first decodes with the whole model (tp 1, each
+rank on its own GPU), then applies ``tp_plan_llama`` over the 2 ranks (lightning_zero.parallel) and decodes
+again, eager and compiled; the table gives ms per token and tp 2's latency over tp 1's (target: <= 0.6x).
 
 Rows (random weights, ``benchmarks/presets.py`` shapes, nothing downloaded; prompt ``--prompt`` tokens):
 ``roofline`` (weight bytes / the device's read bandwidth, measured by a device-to-device copy),
@@ -55,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of ours (eager: a cheap CPU smoke)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Inference from host memory instead (see above)")
     p.add_argument("--batch", type=int, default=1, help="prompts per forward (--offload)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (run under torchrun, see above)")
     return p.parse_args(argv)
 
 
@@ -180,8 +186,61 @@ def offload_main(args: argparse.Namespace, device: torch.device) -> None:
     print(f"| pcie_roofline | {roofline:.2f} | 1.00 |\n| zero3_offload | {rate:.2f} | {rate / roofline:.2f} |")
 
 
+def tp_main(args: argparse.Namespace) -> None:
+    """Batch-1 decode latency at tp 1 and tp ``args.tp`` in one torchrun job (see the module docstring)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_zero.inference import DecodeConfig, generate
+    from lightning_zero.parallel import parallelize, tp_plan_llama
+
+    rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp} (WORLD_SIZE is {world})")
+    device = torch.device(args.device, rank) if args.device == "cuda" else torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+    dtype = getattr(torch, args.dtype)
+    model = build(args, device, dtype)  # the same seed on every rank: the same weights
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(device)
+    decode = DecodeConfig(backend=args.backend)
+    runs = {"eager": lambda k: generate(model, prompt, k), "compiled": lambda k: generate(model, prompt, k,
+                                                                                           compile=decode)}
+    rows: list[tuple[str, float]] = []
+    for degree in (1, args.tp):
+        if degree > 1:
+            model.__dict__.pop("_lz_compiled_decoder", None)  # its cache has every head: tp 2's has half
+            parallelize(model, mesh["tp"], tp_plan_llama(model, mesh["tp"]))
+        for name, run in runs.items():
+            if name == "compiled" and args.no_compile:
+                continue
+            try:
+                rate = decode_rate(run, args.new_tokens, args.repeats, device)
+            except Exception as err:  # noqa: BLE001 - reported in the table, the other rows still run
+                print(f"rank {rank}: tp {degree} {name} failed: {type(err).__name__}: {err}"[:400], flush=True)
+                rate = float("nan")
+            rows.append((f"tp{degree}_{name}", rate))
+    if rank == 0:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        print(f"## Decode latency, batch 1, {args.model}, {args.dtype}, tp 1 vs tp {args.tp}, {gpu}, "
+              f"{datetime.date.today()}\n")
+        base = dict(rows)
+        print("| run | tokens/s | ms/token | latency x tp1 |\n| --- | --- | --- | --- |")
+        for name, rate in rows:
+            tp1 = base[f"tp1_{name.split('_', 1)[1]}"]
+            print(f"| {name} | {rate:.1f} | {1e3 / rate:.2f} | {tp1 / rate:.2f} |")
+    dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tp > 1:
+        tp_main(args)
+        return
     if args.offload:
         offload_main(args, torch.device(args.device))
         return
