@@ -47,6 +47,7 @@ from lightning_zero.config.decode import DecodeConfig
 from lightning_zero.inference.static_cache import StaticHookKVCache, hf_static_cache
 
 Pick = Callable[[Tensor], Tensor]
+_STAGE3_HOOKS = "lightning_zero.zero.stage3"
 _WITHOUT_GRAPHS = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
 
 
@@ -55,8 +56,16 @@ def _logits(output: Any) -> Tensor:
 
 
 def released(module: nn.Module) -> bool:
-    """Some parameter's storage emptied by a stage-3 engine between forwards (gathered by hooks in the next)."""
-    return any(p.numel() and not p.is_meta and p.untyped_storage().nbytes() == 0 for p in module.parameters())
+    """Stage 3 manages the weights: some parameter's storage emptied between forwards, or a stage-3 engine's
+    gather/release hooks on a submodule (with one data-parallel rank nothing is emptied, but the hooks still
+    swap storages, which a traced graph cannot)."""
+    if any(p.numel() and not p.is_meta and p.untyped_storage().nbytes() == 0 for p in module.parameters()):
+        return True
+    for m in module.modules():
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            if getattr(hook, "__module__", "").startswith(_STAGE3_HOOKS):
+                return True
+    return False
 
 
 def mask_eos(token: Tensor, unfinished: Tensor, eos: Optional[int], pad: Optional[int]) -> tuple[Tensor, Tensor]:
