@@ -11,8 +11,11 @@
 ``--offload``: the model built on the meta device in ``configure_model`` and materialised by the evaluation
 engine unit by unit into pinned host memory (``zero3_offload``, one device, ``bf16-mixed``), decoding
 ``--batch`` prompts in ``predict_step``: every forward streams every unit's weights to the device once, so
-its roofline is ``batch x`` the host-to-device bandwidth (measured, pinned) / weight bytes (target: >= 0.8x;
-HF Accelerate's ``device_map="auto"`` offload, the issue's peer, is not in this script yet).
+its roofline is ``batch x`` the host-to-device bandwidth (measured, pinned) / weight bytes (target: >= 0.8x).
+``--peer-accelerate`` adds the issue's peer in the same run: the same model in host memory dispatched by HF
+Accelerate (``infer_auto_device_map`` + ``dispatch_model``, what ``from_pretrained(device_map="auto")`` does)
+with ``--peer-gpu-gib`` GiB of GPU memory allowed, so the other layers stay on the host and are copied to the
+GPU at each forward, decoding with HF's ``generate`` (target: ours >= 2x).
 
 ``--tp 2`` (under torchrun, one process per GPU): every rank first decodes with the whole model (tp 1, each
 rank on its own GPU), then applies ``tp_plan_llama`` over the 2 ranks (lightning_zero.parallel) and decodes
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", help="torch.compile backend of ours (eager: a cheap CPU smoke)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Inference from host memory instead (see above)")
     p.add_argument("--batch", type=int, default=1, help="prompts per forward (--offload)")
+    p.add_argument("--peer-accelerate", action="store_true", help="--offload: also HF Accelerate's CPU offload")
+    p.add_argument("--peer-gpu-gib", type=float, default=4.0, help="GPU memory Accelerate may fill (the rest offloads)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (run under torchrun, see above)")
     return p.parse_args(argv)
 
@@ -182,8 +187,45 @@ def offload_main(args: argparse.Namespace, device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"## ZeRO-Inference decode from host memory, batch {args.batch}, {args.model} ({weight_bytes / 2**30:.2f} "
           f"GiB of {args.dtype} weights), {name}, {datetime.date.today()}\n")
-    print("| run | tokens/s | x roofline |\n| --- | --- | --- |")
-    print(f"| pcie_roofline | {roofline:.2f} | 1.00 |\n| zero3_offload | {rate:.2f} | {rate / roofline:.2f} |")
+    rows = [("pcie_roofline", roofline), ("zero3_offload", rate)]
+    if args.peer_accelerate:
+        del module, trainer  # host memory for the peer's copy
+        rows.append(("accelerate_device_map_auto", accelerate_offload_rate(args, device, data)))
+    print("| run | tokens/s | x roofline | x accelerate |\n| --- | --- | --- | --- |")
+    peer = dict(rows).get("accelerate_device_map_auto")
+    for run_name, value in rows:
+        versus = f"{value / peer:.2f}" if peer else "-"
+        print(f"| {run_name} | {value:.2f} | {value / roofline:.2f} | {versus} |")
+
+
+def accelerate_offload_rate(args: argparse.Namespace, device: torch.device,
+                            data: torch.utils.data.DataLoader) -> float:
+    """Decode tokens/s (x batch) of HF ``generate`` on the model dispatched by Accelerate with
+    ``--peer-gpu-gib`` of GPU memory: the layers that do not fit stay in host memory and are copied to the GPU
+    at every forward (see the module docstring)."""
+    import gc
+
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    dtype = getattr(torch, args.dtype)
+    model = build(args, torch.device("cpu"), dtype)
+    gpu = (device.index or 0) if device.type == "cuda" else "cpu"
+    budget = {gpu: f"{args.peer_gpu_gib}GiB"} if device.type == "cuda" else {}
+    device_map = infer_auto_device_map(model, max_memory={**budget, "cpu": "100000GiB"}, dtype=dtype,
+                                       no_split_module_classes=[type(model.model.layers[0]).__name__])
+    model = dispatch_model(model, device_map=device_map, main_device=gpu)
+    offloaded = sum(1 for where in device_map.values() if where == "cpu")
+    print(f"accelerate: {offloaded} of {len(device_map)} device_map entries offloaded to the host", flush=True)
+    rates = []
+    for (batch,) in data:
+        batch = batch.to(device)
+        mask = torch.ones_like(batch)
+        run = lambda k: model.generate(batch, attention_mask=mask, max_new_tokens=k, do_sample=False)  # noqa: E731
+        rates.append(decode_rate(run, args.new_tokens, 1, device))
+    return args.batch * sorted(rates)[len(rates) // 2]
 
 
 def tp_main(args: argparse.Namespace) -> None:
