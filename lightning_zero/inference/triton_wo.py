@@ -5,7 +5,9 @@ At decode a Linear multiplies a few rows ``x [M, K]`` (M <= 16) by a weight it r
 the weight's bytes: the reference path (dequantize the whole weight to bf16, then ``F.linear``) reads the
 codes, writes a bf16 weight and reads it again, slower than the unquantized layer. The kernel here reads
 only the codes and scales: each program owns ``BLOCK_N`` output features and walks K one quantization group
-(``group_size`` input features, quant.py [Note: weight-only groups]) at a time. A group's codes are
+(``group_size`` input features, quant.py [Note: weight-only groups]) at a time, ``UNROLL`` groups per loop
+iteration so that several loads are in flight (``BLOCK_N``, ``UNROLL`` and the pipeline depth autotuned per
+shape). A group's codes are
 converted to the input's dtype (integers up to 127 are exact in bf16 and fp16), multiplied by ``x`` with
 ``tl.dot`` (fp32 accumulation), and the product scaled by the group's per-row scale before it joins the
 accumulator: ``sum_g s_g * (x_g . q_g)`` equals ``x . (s * q)`` up to where the rounding happens, so the
@@ -46,17 +48,48 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
 
+    @triton.jit
+    def _group_product(x_rows, q_rows, s_ptr, rn, n_ok, m_ok, g, K, BITS: tl.constexpr, GROUP: tl.constexpr,
+                       GROUPS: tl.constexpr, IEEE: tl.constexpr):
+        """``s_g * (x_g . q_g)`` ``[BLOCK_M, BLOCK_N]`` of group ``g`` (zero past the last group)."""
+        g_ok = g < GROUPS
+        k0 = g * GROUP
+        if BITS == 8:
+            rk = k0 + tl.arange(0, GROUP)
+            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+            w = tl.load(q_rows + rk[:, None], mask=n_ok[None, :] & g_ok, other=0).to(tl.float32).to(x.dtype)
+            if IEEE:
+                part = tl.dot(x, w, input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+        else:
+            rh = tl.arange(0, GROUP // 2)
+            packed = tl.load(q_rows + (k0 // 2 + rh)[:, None], mask=n_ok[None, :] & g_ok, other=0).to(tl.int32)
+            even = k0 + 2 * rh
+            low = ((packed & 15) ^ 8) - 8  # two's-complement nibbles: feature 2i low, 2i + 1 high
+            high = (((packed >> 4) & 15) ^ 8) - 8
+            x_even = tl.load(x_rows + even[None, :], mask=m_ok[:, None] & (even < K)[None, :], other=0.0)
+            x_odd = tl.load(x_rows + (even + 1)[None, :], mask=m_ok[:, None] & (even + 1 < K)[None, :], other=0.0)
+            if IEEE:
+                part = tl.dot(x_even, low.to(tl.float32).to(x_even.dtype), input_precision="ieee")
+                part += tl.dot(x_odd, high.to(tl.float32).to(x_odd.dtype), input_precision="ieee")
+            else:
+                part = tl.dot(x_even, low.to(tl.float32).to(x_even.dtype))
+                part += tl.dot(x_odd, high.to(tl.float32).to(x_odd.dtype))
+        scale = tl.load(s_ptr + rn.to(tl.int64) * GROUPS + g, mask=n_ok & g_ok, other=0.0)
+        return part * scale[None, :]
+
     @triton.autotune(
-        configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-                 for n in (16, 32, 64) for w in (2, 4) for s in (2, 4)] if not _INTERPRET
-        else [triton.Config({"BLOCK_N": 16})],
+        configs=[triton.Config({"BLOCK_N": n, "UNROLL": u}, num_warps=4, num_stages=s)
+                 for n in (16, 32, 64) for u in (1, 4) for s in (2, 4)] if not _INTERPRET
+        else [triton.Config({"BLOCK_N": 16, "UNROLL": 2})],
         key=["N", "K", "BITS"],
     )
     @triton.jit
     def _weight_only_kernel(
         x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, row_bytes, stride_xm, stride_ym,
         BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
     ):  # fmt: skip
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -65,33 +98,9 @@ if triton is not None:
         x_rows = x_ptr + rm[:, None] * stride_xm
         q_rows = q_ptr + rn[None, :].to(tl.int64) * row_bytes
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for g in range(0, GROUPS):  # a constant trip count (K is fixed per layer)
-            k0 = g * GROUP
-            if BITS == 8:
-                rk = k0 + tl.arange(0, GROUP)
-                x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-                w = tl.load(q_rows + rk[:, None], mask=n_ok[None, :], other=0).to(tl.float32).to(x.dtype)
-                if IEEE:
-                    part = tl.dot(x, w, input_precision="ieee")
-                else:
-                    part = tl.dot(x, w)
-            else:
-                rh = tl.arange(0, GROUP // 2)
-                packed = tl.load(q_rows + (k0 // 2 + rh)[:, None], mask=n_ok[None, :], other=0).to(tl.int32)
-                even = k0 + 2 * rh
-                low = ((packed & 15) ^ 8) - 8  # two's-complement nibbles: feature 2i low, 2i + 1 high
-                high = (((packed >> 4) & 15) ^ 8) - 8
-                x_even = tl.load(x_rows + even[None, :], mask=m_ok[:, None] & (even < K)[None, :], other=0.0)
-                x_odd = tl.load(x_rows + (even + 1)[None, :], mask=m_ok[:, None] & (even + 1 < K)[None, :],
-                                other=0.0)
-                if IEEE:
-                    part = tl.dot(x_even, low.to(tl.float32).to(x_even.dtype), input_precision="ieee")
-                    part += tl.dot(x_odd, high.to(tl.float32).to(x_odd.dtype), input_precision="ieee")
-                else:
-                    part = tl.dot(x_even, low.to(tl.float32).to(x_even.dtype))
-                    part += tl.dot(x_odd, high.to(tl.float32).to(x_odd.dtype))
-            scale = tl.load(s_ptr + rn.to(tl.int64) * GROUPS + g, mask=n_ok, other=0.0)
-            acc += part * scale[None, :]
+        for g0 in range(0, GROUPS, UNROLL):  # a constant trip count (K is fixed per layer)
+            for j in tl.static_range(UNROLL):  # UNROLL groups' loads in flight per iteration
+                acc += _group_product(x_rows, q_rows, s_ptr, rn, n_ok, m_ok, g0 + j, K, BITS, GROUP, GROUPS, IEEE)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
