@@ -68,12 +68,13 @@ def released(module: nn.Module) -> bool:
     return False
 
 
-def mask_eos(token: Tensor, unfinished: Tensor, eos: Optional[int], pad: Optional[int]) -> tuple[Tensor, Tensor]:
-    """A row already ended gets ``pad``; a row producing ``eos`` ends (generate.py's ``_decode``, on the device)."""
-    if eos is None:
+def mask_eos(token: Tensor, unfinished: Tensor, ids: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """A row already ended gets the pad id; a row producing eos ends (generate.py's ``_decode``, on the device).
+    ``ids``: ``[eos, pad]`` on the device (tensors, not ints: other ids reuse the compiled step), None: no eos."""
+    if ids is None:
         return token, unfinished
-    token = torch.where(unfinished, token, torch.full_like(token, pad if pad is not None else eos))
-    return token, unfinished & (token != eos)
+    token = torch.where(unfinished, token, ids[1])
+    return token, unfinished & (token != ids[0])
 
 
 class CompiledDecoder:
@@ -88,6 +89,7 @@ class CompiledDecoder:
         self._pos: Optional[Tensor] = None
         self._unfinished: Optional[Tensor] = None
         self._token: Optional[Tensor] = None
+        self._ids: Optional[Tensor] = None
         self._step: Optional[Callable[..., Any]] = None
         self._device_type: Optional[str] = None
         if hf:
@@ -110,10 +112,10 @@ class CompiledDecoder:
             kwargs[self._keep] = 1
         return _logits(self.model(input_ids=token, **kwargs))[:, -1]
 
-    def _greedy_step(self, token: Tensor, pos: Tensor, unfinished: Tensor, eos: Optional[int],
-                     pad: Optional[int]) -> tuple[Tensor, Tensor]:
+    def _greedy_step(self, token: Tensor, pos: Tensor, unfinished: Tensor,
+                     ids: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         nxt = self._forward(token, pos).float().argmax(dim=-1)
-        return mask_eos(nxt, unfinished, eos, pad)
+        return mask_eos(nxt, unfinished, ids)
 
     def _logits_step(self, token: Tensor, pos: Tensor) -> Tensor:
         return self._forward(token, pos).float()
@@ -144,7 +146,8 @@ class CompiledDecoder:
         self._pos = torch.zeros(1, dtype=torch.long, device=device)
         self._unfinished = torch.ones(batch, dtype=torch.bool, device=device)
         self._token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        for t in (self._pos, self._unfinished, self._token):  # fixed addresses: no copy into the graph per token
+        self._ids = torch.zeros(2, dtype=torch.long, device=device)
+        for t in (self._pos, self._unfinished, self._token, self._ids):  # fixed addresses: no copy per replay
             torch._dynamo.mark_static_address(t)
         self._shape = shape
 
@@ -184,7 +187,12 @@ class CompiledDecoder:
         unfinished.fill_(True)
         with self._cache if not self.hf else contextlib.nullcontext():
             first = self._prefill(input_ids).float()
-            token, still = mask_eos((pick or _argmax)(first), unfinished, eos, pad)
+            ids = None
+            if eos is not None:
+                assert self._ids is not None
+                self._ids.copy_(torch.tensor([eos, pad if pad is not None else eos]))
+                ids = self._ids
+            token, still = mask_eos((pick or _argmax)(first), unfinished, ids)
             out[:, 0] = token
             current.copy_(token[:, None])
             unfinished.copy_(still)
@@ -196,9 +204,9 @@ class CompiledDecoder:
                     break
                 torch.compiler.cudagraph_mark_step_begin()
                 if pick is None:
-                    token, still = greedy_step(current, pos, unfinished, eos, pad)
+                    token, still = greedy_step(current, pos, unfinished, ids)
                 else:
-                    token, still = mask_eos(pick(logits_step(current, pos)), unfinished, eos, pad)
+                    token, still = mask_eos(pick(logits_step(current, pos)), unfinished, ids)
                 out[:, i] = token
                 current.copy_(token[:, None])
                 unfinished.copy_(still)
