@@ -33,7 +33,8 @@ def hf_static_cache(model: nn.Module, batch: int, max_len: int, device: torch.de
 
     params = inspect.signature(StaticCache.__init__).parameters
     kwargs: dict[str, Any] = {"config": model.config, "max_cache_len": max_len}
-    for name, value in (("max_batch_size", batch), ("batch_size", batch), ("device", device), ("dtype", dtype)):
+    size = next((name for name in ("max_batch_size", "batch_size") if name in params), None)  # one, not both
+    for name, value in ((size, batch), ("device", device), ("dtype", dtype)):
         if name in params:
             kwargs[name] = value
     return StaticCache(**kwargs)
