@@ -2,9 +2,9 @@
 cache and the compiled one-token step give the tokens of the uncompiled path, on HF Llama (equal to HF's greedy
 ``generate`` too) and on our GPT through the hook; one traced graph with no graph break, reused across calls of
 other lengths; eos cut where the uncompiled loop stops although the loop checks only every few tokens; sampling
-from the same generator; the refusals. Inductor compiles once here (our GPT: the cheap one); the other cases trace
-with the ``eager`` backend (the same graph, no code generated). CUDA graphs: GPU-marked at the end
-(``python -m pytest tests/inference -m gpu``)."""
+from the same generator; a quantized model; the refusals. Inductor compiles once here (our GPT: the cheap one);
+the other cases trace with the ``eager`` backend (the same graph, no code generated). CUDA graphs: GPU-marked at
+the end (``python -m pytest tests/inference -m gpu``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from lightning_zero.config.decode import DecodeConfig
-from lightning_zero.inference import generate
+from lightning_zero.inference import generate, quantize_linears
 from lightning_zero.inference.compiled import CompiledDecoder
 from tests.inference.predict_runs import VOCAB, build, hf_generate
 from tests.inference.test_generate import OwnAttention
@@ -88,6 +88,14 @@ def test_sampling_from_the_same_generator(gpt: nn.Module) -> None:
 
     assert torch.equal(sample(1, compile=TRACE), sample(1))
     assert not torch.equal(sample(1, compile=TRACE), sample(2, compile=TRACE))
+
+
+def test_quantized_model() -> None:
+    """int4 QuantLinears (the dequantize-then-matmul reference on CPU) traced into the step: the same tokens."""
+    model = build("gpt")
+    quantize_linears(model, bits=4, group_size=32)
+    x = prompts()
+    assert torch.equal(generate(model, x, 8, compile=TRACE), generate(model, x, 8))
 
 
 def test_refusals(gpt: nn.Module) -> None:
