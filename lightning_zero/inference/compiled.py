@@ -14,14 +14,15 @@ per token for ``eos``) and cache bookkeeping in Python around each graph; gpt-fa
 for this one.
 
 [Note: a sync-free decode loop]
-Nothing in the loop reads a device value on the host: the position is a device tensor advanced in place,
-the tokens go into a preallocated device buffer. With ``eos_token_id`` the host learns whether every row
-has ended only every ``DecodeConfig.eos_check_every`` tokens (one sync; under ``synced_ranks`` that is the
-all-reduce of generate.py [Note: decoding under stage 3]), so up to that many - 1 tokens are decoded past
-the end; the result is cut to the length the uncompiled loop stops at (the latest first-eos of the
-rows), and rows that ended earlier hold ``pad_token_id`` after their eos, as there. The tokens equal the
-uncompiled path's (greedy: the same argmax of the same model; the compiled kernels may round differently
-from the eager ones, which only a near-tie of two logits could expose).
+Nothing in the loop reads a device value on the host: the position is a device tensor advanced in place, the
+tokens go into a preallocated device buffer. With ``eos_token_id`` the host learns whether every row has
+ended only every ``DecodeConfig.eos_check_every`` tokens (one sync; under ``synced_ranks`` that is the
+all-reduce of generate.py [Note: decoding under stage 3]), so up to that many - 1 tokens are decoded past the
+end; the result is cut to the length the uncompiled loop stops at (the latest first-eos of the rows; of
+every rank's rows under ``synced_ranks``), and rows that ended earlier hold ``pad_token_id`` after their
+eos, as there. The tokens equal the uncompiled path's (greedy: the same argmax of the same model; the
+compiled kernels may round differently from the eager ones, which only a near-tie of two logits could
+expose).
 
 [Note: CUDA graphs only on CUDA]
 ``mode="reduce-overhead"`` is torch.compile's CUDA graph mode. On any other device (CPU tests, CI) the step
@@ -168,9 +169,11 @@ class CompiledDecoder:
     # -- the loop -------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, input_ids: Tensor, max_new_tokens: int, pick: Optional[Pick], eos: Optional[int],
-                 pad: Optional[int], all_done: Callable[[bool], bool]) -> Tensor:
+                 pad: Optional[int], all_done: Callable[[bool], bool],
+                 longest: Callable[[int], int] = lambda length: length) -> Tensor:
         """``input_ids`` and up to ``max_new_tokens`` tokens ([Note: a sync-free decode loop]); ``pick`` None is
-        greedy; ``all_done(this_rank_done)`` says whether every rank has ended (generate.py)."""
+        greedy; ``all_done(this_rank_done)`` says whether every rank has ended, ``longest(length)`` the length
+        the ranks stopping together return (generate.py)."""
         if max_new_tokens == 0:
             return input_ids
         if released(self.model):
@@ -183,7 +186,8 @@ class CompiledDecoder:
         greedy_step, logits_step = self._compiled(device)
         pos, unfinished, current = self._pos, self._unfinished, self._token
         assert pos is not None and unfinished is not None and current is not None
-        out = torch.empty(batch, max_new_tokens, dtype=torch.long, device=device)
+        fill = 0 if eos is None else (pad if pad is not None else eos)  # past a stop: what a finished row holds
+        out = torch.full((batch, max_new_tokens), fill, dtype=torch.long, device=device)
         unfinished.fill_(True)
         with self._cache if not self.hf else contextlib.nullcontext():
             first = self._prefill(input_ids).float()
@@ -211,7 +215,8 @@ class CompiledDecoder:
                 current.copy_(token[:, None])
                 unfinished.copy_(still)
                 pos.add_(1)
-        return torch.cat([input_ids, out[:, :_length(out[:, :steps], eos)].to(input_ids.dtype)], dim=1)
+        length = steps if eos is None else longest(_length(out[:, :steps], eos))
+        return torch.cat([input_ids, out[:, :length].to(input_ids.dtype)], dim=1)
 
 
 def _argmax(logits: Tensor) -> Tensor:

@@ -133,7 +133,18 @@ def _compiled(module: nn.Module, input_ids: Tensor, max_new_tokens: int, compile
                          "decode padded prompts with compile=False")
     decoder = decoder_for(module, config, is_hf_causal_lm(module))
     return decoder.generate(input_ids, max_new_tokens, pick, eos_token_id, pad_token_id,
-                            lambda done: _all_done(done, input_ids.device, synced))
+                            lambda done: _all_done(done, input_ids.device, synced),
+                            lambda length: _longest(length, input_ids.device, synced))
+
+
+def _longest(length: int, device: torch.device, synced: bool) -> int:
+    """The largest of the ranks' ``length`` (``synced``: they stopped together, so each returns that many
+    tokens, padded as the uncompiled loop pads them), else this rank's."""
+    if not synced or not C.is_initialized() or C.world_size() == 1:
+        return length
+    value = torch.tensor([float(length)], device=C.device_for(None, device))
+    C.all_reduce(value, None, "max")
+    return int(value.item())
 
 
 def _partitioned(module: nn.Module) -> bool:

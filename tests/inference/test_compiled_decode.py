@@ -78,6 +78,10 @@ def test_eos_cut_where_the_uncompiled_loop_stops(kind: str, llama: nn.Module, gp
     want = generate(model, x[:1], 30, eos_token_id=eos, pad_token_id=0)
     assert want.shape == (1, 9)
     assert torch.equal(generate(model, x[:1], 30, eos_token_id=eos, pad_token_id=0, compile=cfg), want)
+    # under synced_ranks a rank ending first returns the longest rank's length, padded (generate.py's _longest)
+    decoder = model.__dict__["_lz_compiled_decoder"]
+    synced = decoder.generate(x[:1], 30, None, eos, 0, lambda done: done, lambda length: length + 4)
+    assert synced.shape == (1, 13) and torch.equal(synced[:, :9], want) and synced[0, 9:].eq(0).all()
 
 
 def test_sampling_from_the_same_generator(gpt: nn.Module) -> None:
