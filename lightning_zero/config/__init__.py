@@ -8,6 +8,7 @@ the dataclasses below, each validating itself, and each engine takes its own pie
 from lightning_zero.config.activations import ActivationConfig
 from lightning_zero.config.checkpoint import CheckpointConfig
 from lightning_zero.config.compile import CompileConfig
+from lightning_zero.config.decode import DecodeConfig
 from lightning_zero.config.fp8 import Fp8Config
 from lightning_zero.config.inference import InferenceConfig
 from lightning_zero.config.launch import LaunchConfig
@@ -24,4 +25,5 @@ __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "StageConfig", "Stage3Config", "OffloadConfig",
     "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig", "ParallelConfig", "LaunchConfig", "SequenceConfig",
     "QuantCommConfig", "InferenceConfig", "StatePrecisionConfig", "Fp8Config",
+    "DecodeConfig",
 ]

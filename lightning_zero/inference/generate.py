@@ -27,12 +27,14 @@ Prompts of different lengths in one batch: left-padded, with an ``attention_mask
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.config.decode import DecodeConfig
+from lightning_zero.inference.compiled import decoder_for
 from lightning_zero.inference.kv_cache import HookKVCache
 
 
@@ -78,7 +80,8 @@ def _all_done(done: bool, device: torch.device, synced: bool) -> bool:
 def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_cache: bool = True,
              eos_token_id: Optional[int] = None, pad_token_id: Optional[int] = None, do_sample: bool = False,
              temperature: float = 1.0, top_k: Optional[int] = None, generator: Optional[torch.Generator] = None,
-             attention_mask: Optional[Tensor] = None, synced_ranks: Optional[bool] = None) -> Tensor:
+             attention_mask: Optional[Tensor] = None, synced_ranks: Optional[bool] = None,
+             compile: Union[bool, DecodeConfig] = False) -> Tensor:
     """``input_ids`` ``[B, T]`` followed by up to ``max_new_tokens`` generated tokens ``[B, T + n]``.
 
     Greedy by default (the tokens of HF's ``generate(do_sample=False)``); ``do_sample=True`` samples with
@@ -87,7 +90,9 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
     rank has ended ([Note: decoding under stage 3]). ``attention_mask`` ``[B, T]`` (HF models): 0 marks the
     left padding of prompts shorter than the batch's, positions counted as HF's ``generate`` counts them.
     ``synced_ranks``: stop together across ranks (default: under stage 3, see [Note: decoding under stage
-    3]). Call it on every rank under stage 3."""
+    3]). Call it on every rank under stage 3. ``compile``: True (or a :class:`DecodeConfig`) decodes with a
+    static KV cache and a compiled one-token step, CUDA graphs on CUDA (compiled.py [Note: what the compiled
+    step leaves out]); the same tokens."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 0:
@@ -100,6 +105,9 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
                                      synced)
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
+    if compile is not False:
+        return _compiled(module, input_ids, max_new_tokens, compile, use_cache, attention_mask,
+                         None if not do_sample else pick, eos_token_id, pad_token_id, synced)
     if is_hf_causal_lm(module):
         return decode(_hf_forward(module, use_cache, attention_mask))
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -109,6 +117,34 @@ def generate(module: nn.Module, input_ids: Tensor, max_new_tokens: int, *, use_c
         return decode(_recompute_forward(module))
     with HookKVCache(module) as cache:
         return decode(_hook_forward(module, cache))
+
+
+def _compiled(module: nn.Module, input_ids: Tensor, max_new_tokens: int, compile: Union[bool, DecodeConfig],
+              use_cache: bool, attention_mask: Optional[Tensor], pick: Optional[Callable[[Tensor], Tensor]],
+              eos_token_id: Optional[int], pad_token_id: Optional[int], synced: bool) -> Tensor:
+    """``generate(compile=...)``: the compiled decoder kept on the module (compiled.py), after its refusals."""
+    config = DecodeConfig() if compile is True else compile
+    if not isinstance(config, DecodeConfig):
+        raise TypeError(f"compile must be True, False or a DecodeConfig, got {compile!r}")
+    if not use_cache:
+        raise ValueError("generate(compile=True) decodes with a static KV cache: use_cache=False contradicts it")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("generate(compile=True) takes prompts of equal lengths (no padding in attention_mask): "
+                         "decode padded prompts with compile=False")
+    decoder = decoder_for(module, config, is_hf_causal_lm(module))
+    return decoder.generate(input_ids, max_new_tokens, pick, eos_token_id, pad_token_id,
+                            lambda done: _all_done(done, input_ids.device, synced),
+                            lambda length: _longest(length, input_ids.device, synced))
+
+
+def _longest(length: int, device: torch.device, synced: bool) -> int:
+    """The largest of the ranks' ``length`` (``synced``: they stopped together, so each returns that many
+    tokens, padded as the uncompiled loop pads them), else this rank's."""
+    if not synced or not C.is_initialized() or C.world_size() == 1:
+        return length
+    value = torch.tensor([float(length)], device=C.device_for(None, device))
+    C.all_reduce(value, None, "max")
+    return int(value.item())
 
 
 def _partitioned(module: nn.Module) -> bool:

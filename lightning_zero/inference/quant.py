@@ -12,11 +12,11 @@ weight (group 128: codes plus one fp32 scale per group; ~0.52x and ~0.27x of bf1
 
 [Note: the kernel seam]
 :func:`weight_only_linear` is the one place a quantized Linear computes. Its path here (CPU, and any
-device until a kernel is registered) dequantizes the whole weight to the input's dtype and calls
-``F.linear``: correct everywhere, no faster than the unquantized layer. A fused GPU kernel (Triton:
-dequantize tiles in the GEMM's inner loop, for decode-sized batches) plugs in through
+device where no kernel applies) dequantizes the whole weight to the input's dtype and calls ``F.linear``:
+correct everywhere, no faster than the unquantized layer. Fused kernels plug in through
 :func:`register_kernel` and must match this path (the dequantize-then-matmul reference) to within the
-matmul's rounding; it is not built yet.
+matmul's rounding; the first one is built in: triton_wo.py's Triton kernel (codes dequantized in the
+GEMM's inner loop, CUDA, at most 16 rows: decode), which declines without Triton or off CUDA.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_zero.inference.triton_wo import triton_weight_only
 from lightning_zero.quant.blocks import Q_MAX, QuantizedBlocks, dequantize, quantize
 
 Kernel = Callable[[Tensor, "QuantLinear"], Optional[Tensor]]
 """``(x, layer) -> y``, or None when it does not apply (device, dtype, shape): the next one is tried."""
 
-_KERNELS: list[Kernel] = []
+_KERNELS: list[Kernel] = [triton_weight_only]
 
 
 def register_kernel(kernel: Kernel) -> Callable[[], None]:

@@ -1,7 +1,8 @@
 """Tensor-parallel predict (issue #31): ``ZeroStrategy(tensor_parallel=2)`` on 2 gloo ranks, no ``fit``, the
 ready TP plans applied in ``configure_model``, against tp 1 (the plain model, which the evaluation-only
 runs of test_predict.py match exactly): logits within fp32 rounding of the split matmuls' sums, and the
-same ``generate`` tokens (KV cache through HF's cache for Llama, through the hook for our GPT). Under
+same ``generate`` tokens (KV cache through HF's cache for Llama, through the hook for our GPT; compiled with
+a static cache too, refused under stage 3). Under
 stage 3 the evaluation engine partitions each rank's TP shards over the data-parallel ranks (here 1)."""
 
 from __future__ import annotations
@@ -32,3 +33,7 @@ def test_tp2_predict_equals_tp1(ranks: list[dict], spec: str) -> None:
             assert row["sharded"] > 0  # the plan split parameters into DTensors
             assert row["diff"] <= 1e-5, row["diff"]  # fp32 rounding of the split matmuls' sums
             assert torch.equal(row["tokens"], row["plain_tokens"])
+            if stage == 3:  # refused: the engine's gather hooks swap storages (none emptied at dp 1)
+                assert row["compiled"] is None
+            else:  # the compiled decode (static cache of the local heads) over the TP shards
+                assert torch.equal(row["compiled"], row["plain_tokens"])

@@ -3,7 +3,8 @@
 Each run ``"<kind>:<stage>"`` builds the model in ``__init__`` (the same seed in every process, so the plain
 model of each rank is tp 1's model), applies the ready TP plan (lightning_zero.parallel) to
 ``self.device_mesh["tp"]`` in ``configure_model``, and predicts without ``fit``: logits of every batch, and
-``generate`` (greedy, with the KV cache) of each batch's prompts. Each rank records the largest difference
+``generate`` (greedy, with the KV cache; and compiled with the static cache, which stage 3 refuses) of each
+batch's prompts. Each rank records the largest difference
 of its logits from the plain model's and both token tensors.
 """
 
@@ -19,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
-from lightning_zero.inference import generate
+from lightning_zero.inference import DecodeConfig, generate
 from lightning_zero.parallel import parallelize, tp_plan_gpt, tp_plan_llama
 from tests.helpers.harness import ScenarioContext, scenario
 from tests.helpers.launch import worker_accelerator
@@ -48,7 +49,13 @@ class TPPredict(pl.LightningModule):
         logits = logits_of(self.kind, self.model, x)
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        return {"x": x, "logits": logits, "tokens": generate(self.model, x[:, :6], TOKENS),
+        try:  # the compiled decode (traced, not code-generated: cheap); refused under stage 3 (None)
+            compiled = generate(self.model, x[:, :6], TOKENS, compile=DecodeConfig(backend="eager"))
+        except ValueError as err:
+            if "stage 3" not in str(err):
+                raise
+            compiled = None
+        return {"x": x, "logits": logits, "tokens": generate(self.model, x[:, :6], TOKENS), "compiled": compiled,
                 "sharded": sum(isinstance(p, DTensor) for p in self.model.parameters())}
 
 
@@ -71,7 +78,8 @@ def tp_predict(ctx: ScenarioContext) -> dict[str, Any]:
                 x = r["x"].cpu()
                 rows.append({"diff": float((r["logits"].cpu() - logits_of(kind, plain, x)).abs().max()),
                              "tokens": r["tokens"].cpu(), "plain_tokens": generate(plain, x[:, :6], TOKENS),
-                             "sharded": r["sharded"]})
+                             "sharded": r["sharded"],
+                             "compiled": None if r["compiled"] is None else r["compiled"].cpu()})
         out[spec] = {"rows": rows, "engines": [type(e).__name__ for e in trainer.strategy.engines]}
         ctx.record("partial", out)
     return out
