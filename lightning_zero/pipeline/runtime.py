@@ -47,6 +47,7 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.pipeline import microbatch as mbu
+from lightning_zero.pipeline.buffers import ReceiveBuffers
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.schedule import Action, Compute, Exchange, Message, Plan, build_plan
 from lightning_zero.pipeline.timing import BubbleStats, StageTimer
@@ -71,6 +72,8 @@ class _StepState:
     labels: list[Any]
     train: bool
     want_outputs: bool = False
+    loss_scale: float = 1.0
+    """Gradient of each micro-batch loss: ``grad_scale()`` / micro-batches, read once per step."""
     received: dict[Message, tuple[bool, list[Tensor]]] = field(default_factory=dict)
     to_send: dict[Message, tuple[bool, list[Tensor]]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[list[Tensor], Any]] = field(default_factory=dict)
@@ -114,6 +117,8 @@ class PipelineRuntime:
         self._timing: Optional[tuple[Tensor, float]] = None
         self._meta: OrderedDict[tuple, dict[Message, mbu.ActivationMeta]] = OrderedDict()
         self._meta_cache_size = meta_cache_size
+        self.buffers = ReceiveBuffers(device)
+        self._loss_grad: Optional[tuple[float, Tensor]] = None
         self._last_v = stages * chunks - 1
         placement = module.placement
         assert placement is not None, "the module must be placed (materialize) before a runtime runs it"
@@ -147,7 +152,7 @@ class PipelineRuntime:
         mbs_in, mbs_lb, _ = mbu.split_batch(inputs, labels, self.microbatches, strict=True)
         m = len(mbs_in)
         plan = build_plan(self.schedule, self.stages, m, self.chunks)
-        st = _StepState(mbs_in, mbs_lb, train=True)
+        st = _StepState(mbs_in, mbs_lb, train=True, loss_scale=self.grad_scale() / m)
         if self.grad_sync is not None:
             self.grad_sync.begin()
         try:
@@ -228,6 +233,7 @@ class PipelineRuntime:
         for work in st.sending:
             work.wait()
         st.sending.clear()
+        self.buffers.end_step(st.train)
 
     def _forward(self, plan: Plan, a: Action, st: _StepState) -> None:
         v = plan.vstage(self.rank, a.chunk)
@@ -249,27 +255,44 @@ class PipelineRuntime:
             loss = self.module.compute_loss(y, st.labels[a.mb])
             st.losses[a.mb] = loss.detach()
             out: Any = loss
+            sent = [loss]
         else:
             is_tuple, ys = mbu.flatten(y, self._where[v])
             st.to_send[Message("act", a.mb, v, v + 1)] = (is_tuple, ys)
-            out = ys
+            out = sent = ys
         if st.train:
             st.saved[(a.mb, a.chunk)] = (x_tensors, out)
+        elif x_tensors:  # [Note: reused receive buffers] (buffers.py): read by nothing but what is sent on
+            self.buffers.give("act", x_tensors, in_use=sent)
 
     def _backward(self, plan: Plan, a: Action, st: _StepState) -> None:
         v = plan.vstage(self.rank, a.chunk)
         x_tensors, out = st.saved.pop((a.mb, a.chunk))
+        grads: list[Tensor] = []
         if v == self._last_v:
-            torch.autograd.backward(out * (self.grad_scale() / plan.microbatches))
+            torch.autograd.backward(out, self._loss_gradient(out, st.loss_scale))
         else:
             _, grads = st.received.pop(Message("grad", a.mb, v + 1, v))
             floats = [t for t in out if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if v > 0:
-            grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_tensors if t.is_floating_point()]
+        grads_in: list[Tensor] = []
+        if v > 0:  # an input the loss did not reach gets zeros (shared, read-only: buffers.py)
+            grads_in = [t.grad if t.grad is not None else self.buffers.zeros(t) for t in x_tensors if t.is_floating_point()]
             st.to_send[Message("grad", a.mb, v, v - 1)] = (True, grads_in)
+        # [Note: reused receive buffers] (buffers.py): free unless what is sent on shares their storage
+        self.buffers.give("grad", grads, in_use=grads_in)
+        self.buffers.give("act", x_tensors, in_use=[*grads_in, *(out if isinstance(out, list) else [out])])
+
+    def _loss_gradient(self, loss: Tensor, scale: float) -> Tensor:
+        """The gradient a micro-batch loss starts its backward with: ``scale`` as a 0-d tensor, made once and
+        reused while the scale stays (``(loss * scale).backward()`` launched a multiply, a fill of ones and the
+        multiply's backward per micro-batch for the same value)."""
+        cached = self._loss_grad
+        if cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device:
+            cached = self._loss_grad = (scale, torch.full((), scale, dtype=loss.dtype, device=loss.device))
+        return cached[1]
 
     def _exchange(self, plan: Plan, ex: Exchange, st: _StepState, cache: dict[Message, mbu.ActivationMeta]) -> None:
         # phase 1: shapes of activations not seen before for this batch signature
@@ -309,10 +332,10 @@ class PipelineRuntime:
         for m in ex.recvs:
             if m.kind == "act":
                 meta = cache[m]
-                bufs, is_tuple = meta.empty(self.device), meta.is_tuple
+                bufs, is_tuple = [self.buffers.take("act", t.shape, t.dtype) for t in meta.tensors], meta.is_tuple
             else:
                 _, out = st.saved[(m.mb, m.dst // self.stages)]
-                bufs, is_tuple = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in out if o.is_floating_point()], True
+                bufs, is_tuple = [self.buffers.take("grad", o.shape, o.dtype) for o in out if o.is_floating_point()], True
             recvs += [(b, plan.rank_of(m.src)) for b in bufs]
             arrived.append((m, is_tuple, bufs))
         works = C.send_recv(sends, recvs, self.group, wait=False)

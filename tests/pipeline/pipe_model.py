@@ -7,17 +7,39 @@ losses and the gradient norm before clipping.
 
 from __future__ import annotations
 
+from collections import Counter
+from contextlib import nullcontext
 from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 VOCAB, DIM, SEQ = 37, 24, 8
+
+
+ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+FILL_OPS = frozenset({"zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like", "new_full", "ones",
+                      "ones_like", "new_ones"})
+
+
+class AllocCounter(TorchDispatchMode):
+    """Counts the allocations and fills (on a GPU each fill is a kernel or a memset) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in ALLOC_OPS or name in FILL_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class RandomTokens(Dataset):
@@ -74,9 +96,16 @@ class PipeNet(LightningModule):
         self.lr = lr
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+        self.count_allocations = False
+        self.allocations: list[dict[str, int]] = []
+        """With ``count_allocations``: allocations and fills of each training step's ``pipe(batch)``."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.pipe(batch)
+        counter = AllocCounter() if self.count_allocations else nullcontext()
+        with counter:
+            loss = self.pipe(batch)
+        if isinstance(counter, AllocCounter):
+            self.allocations.append(dict(counter.counts))
         self.losses.append(float(loss.detach()))
         self.log("train_loss", loss)
         return loss
