@@ -50,7 +50,7 @@ from lightning_zero.pipeline import microbatch as mbu
 from lightning_zero.pipeline.buffers import ReceiveBuffers
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.schedule import Action, Compute, Exchange, Message, Plan, build_plan
-from lightning_zero.pipeline.timing import BubbleStats, StageTimer
+from lightning_zero.pipeline.timing import BubbleStats, DeviceReadback, StageTimer
 
 
 class GradSync(Protocol):
@@ -114,7 +114,9 @@ class PipelineRuntime:
         self.grad_sync = grad_sync
         self.timer = StageTimer(device)
         self.bubble = BubbleStats(stages)
-        self._timing: Optional[tuple[Tensor, float]] = None
+        self._timing: Optional[float] = None
+        """This rank's busy seconds of the step whose reduced timings ``_readback`` holds."""
+        self._readback = DeviceReadback(device)
         self._meta: OrderedDict[tuple, dict[Message, mbu.ActivationMeta]] = OrderedDict()
         self._meta_cache_size = meta_cache_size
         self.buffers = ReceiveBuffers(device)
@@ -182,7 +184,7 @@ class PipelineRuntime:
         return buf[0].float()
 
     def _reduce_loss_and_timing(self, local_loss: Any) -> Tensor:
-        """One all-reduce for the loss (from the last stage) and the previous step's timings.
+        """One all-reduce for the loss (from the last stage) and an earlier step's timings.
 
         The reduced timings are read at the next step (see [Note: measuring the bubble] in timing.py),
         so reading them never waits for the device.
@@ -199,16 +201,16 @@ class PipelineRuntime:
             buf[3] = 1.0
         C.all_reduce(buf, self.group, "sum")
         if prev is not None:
-            self._timing = (buf, prev[0])
+            self._readback.put(buf)
+            self._timing = prev[0]
         return buf[0].float()
 
     def collect_timing(self) -> None:
         """Fold the last reduced timings into the bubble statistics."""
         if self._timing is None:
             return
-        buf, local_busy = self._timing
-        self._timing = None
-        _, busy_all, span, count = buf.tolist()
+        local_busy, self._timing = self._timing, None
+        _, busy_all, span, count = self._readback.get()
         if int(round(count)) == self.stages:
             self.bubble.add(busy_all, local_busy, span)
 
