@@ -73,10 +73,31 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def layer_specs(blocks: int) -> list:
+class CarryBlock(Block):
+    """A block on ``(h, c)`` that reads ``c`` and passes it on unchanged (as T5 passes its position bias from
+    block to block): a stage holding only such blocks sends on the very tensor it received, and the gradient
+    it receives for ``c`` flows straight into its input's ``.grad`` (pipeline/buffers.py's aliasing cases)."""
+
+    def forward(self, hc: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h, c = hc
+        return super().forward(h) + 0.1 * c, c
+
+
+def start_carry(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return h, 0.5 * h
+
+
+def drop_carry(hc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return hc[0]
+
+
+def layer_specs(blocks: int, carry: bool = False) -> list:
+    body = [LayerSpec(Block, DIM) for _ in range(blocks)]
+    if carry:
+        body = [start_carry, *[LayerSpec(CarryBlock, DIM) for _ in range(blocks)], drop_carry]
     return [
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
-        *[LayerSpec(Block, DIM) for _ in range(blocks)],
+        *body,
         LayerSpec(nn.LayerNorm, DIM),
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head),
     ]
@@ -85,11 +106,11 @@ def layer_specs(blocks: int) -> list:
 class PipeNet(LightningModule):
     def __init__(
         self, blocks: int = 4, partition: Union[str, list[int]] = "parameters", global_batch: int = 8,
-        n_train: int = 80, lr: float = 3e-3, checkpoint_interval: int = 0,
+        n_train: int = 80, lr: float = 3e-3, checkpoint_interval: int = 0, carry: bool = False,
     ) -> None:
         super().__init__()
         self.pipe = PipelineModule(
-            layer_specs(blocks), token_loss, partition=partition, activation_checkpoint_interval=checkpoint_interval
+            layer_specs(blocks, carry), token_loss, partition=partition, activation_checkpoint_interval=checkpoint_interval
         )
         self.global_batch = global_batch
         self.n_train = n_train

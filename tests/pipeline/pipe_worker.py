@@ -6,7 +6,7 @@ blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after f
 at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``; with
 resume_stages=S it resumes with S pipeline stages),
 accumulate, precision, expect (a bad-input case: 'layers' or 'batch'; the error message is recorded),
-count (1: record the allocations and fills of every training step, ``allocations`` per rank), compile (a
+carry (1: blocks pass a second tensor on unchanged, pipe_model.CarryBlock), count (1: record the allocations and fills of every training step, ``allocations`` per rank), compile (a
 torch.compile backend: ``ZeroStrategy(compile=True)`` with it and fullgraph; dynamo's counters per rank).
 Rank 0 writes ``OUT/NAME.pt``.
 """
@@ -73,7 +73,7 @@ def make_model(opts: dict[str, str]) -> PipeNet:
     return PipeNet(
         blocks=int(opts.get("blocks", 4)),
         partition=[int(b) for b in partition.split("-")] if "-" in partition else partition,
-        checkpoint_interval=int(opts.get("ckpt_interval", 0)),
+        checkpoint_interval=int(opts.get("ckpt_interval", 0)), carry=opts.get("carry") == "1",
     )
 
 

@@ -26,13 +26,13 @@ def _launch(tmp: Path, nproc: int, runs: dict[str, str]) -> dict[str, dict]:
     return run_worker(tmp, nproc, runs, timeout=900, scenario="pipeline.pipe")
 
 
-def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1) -> dict:
+def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1, carry: bool = False) -> dict:
     """The same LightningModule on one process: Lightning's single-device strategy, layers in sequence."""
     import lightning.pytorch as pl
 
     warnings.filterwarnings("ignore")
     pl.seed_everything(0, workers=True)
-    model = PipeNet(blocks=blocks)
+    model = PipeNet(blocks=blocks, carry=carry)
     probe = GradNormProbe()
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, gradient_clip_val=0.5, accumulate_grad_batches=accumulate,
@@ -46,7 +46,8 @@ def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1) -> dict:
 
 @pytest.fixture(scope="module")
 def refs() -> dict[str, dict]:
-    return {"4": _reference(4), "5": _reference(5), "4acc": _reference(4, steps=10, accumulate=2)}
+    return {"4": _reference(4), "5": _reference(5), "4acc": _reference(4, steps=10, accumulate=2),
+            "4carry": _reference(4, carry=True)}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,7 @@ def four_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "p2x2_1f1b": "stages=2,schedule=1f1b,micro=2",
         "p2x2_gpipe": "stages=2,schedule=gpipe,micro=2",
         "p4_1f1b": "stages=4,schedule=1f1b,micro=4,count=1",
+        "p4_carry": "stages=4,schedule=1f1b,micro=4,carry=1,count=1",
     }
     return _launch(tmp_path_factory.mktemp("pipe4"), 4, runs)
 
@@ -135,6 +137,16 @@ def test_two_stages_by_two_data_parallel(four_procs: dict, refs: dict, name: str
 
 def test_four_stages(four_procs: dict, refs: dict) -> None:
     _check_run(four_procs["p4_1f1b"], refs["4"], stages=4)
+
+
+def test_tensors_passed_through_stages_are_not_overwritten(four_procs: dict, refs: dict) -> None:
+    """Blocks pass a second tensor on unchanged: the middle stages send on the buffer they received it in, and
+    its gradient lands in their input's .grad; reusing those buffers for the next micro-batch while the sends
+    are in flight would corrupt them (pipeline/buffers.py [Note: reused receive buffers])."""
+    run = four_procs["p4_carry"]
+    _check_run(run, refs["4carry"], stages=4)
+    allocating = [any(step.get("empty") for step in rank["allocations"][1:]) for rank in run["per_rank"]]
+    assert allocating == [False, True, True, False], run["per_rank"]  # the middle stages' aliased buffers: not reused
 
 
 def test_bf16_activations_and_gradients_cross_stages(two_procs: dict, refs: dict) -> None:
