@@ -120,7 +120,8 @@ class PipelineRuntime:
         self._meta: OrderedDict[tuple, dict[Message, mbu.ActivationMeta]] = OrderedDict()
         self._meta_cache_size = meta_cache_size
         self.buffers = ReceiveBuffers(device)
-        self._loss_grad: Optional[tuple[float, Tensor]] = None
+        self._loss_grad: Optional[tuple[float, Tensor, int]] = None
+        """(scale, the loss gradient, its version when made): :meth:`_loss_gradient`."""
         self._last_v = stages * chunks - 1
         placement = module.placement
         assert placement is not None, "the module must be placed (materialize) before a runtime runs it"
@@ -290,10 +291,13 @@ class PipelineRuntime:
     def _loss_gradient(self, loss: Tensor, scale: float) -> Tensor:
         """The gradient a micro-batch loss starts its backward with: ``scale`` as a 0-d tensor, made once and
         reused while the scale stays (``(loss * scale).backward()`` launched a multiply, a fill of ones and the
-        multiply's backward per micro-batch for the same value)."""
+        multiply's backward per micro-batch for the same value). Made again if anything wrote into it (its
+        version counter moved: a loss whose custom backward scales ``grad_output`` in place)."""
         cached = self._loss_grad
-        if cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device:
-            cached = self._loss_grad = (scale, torch.full((), scale, dtype=loss.dtype, device=loss.device))
+        if (cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device
+                or cached[1]._version != cached[2]):
+            g = torch.full((), scale, dtype=loss.dtype, device=loss.device)
+            cached = self._loss_grad = (scale, g, g._version)
         return cached[1]
 
     def _exchange(self, plan: Plan, ex: Exchange, st: _StepState, cache: dict[Message, mbu.ActivationMeta]) -> None:

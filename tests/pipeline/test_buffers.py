@@ -48,3 +48,29 @@ def test_zero_gradients_are_shared_and_unused_shapes_released_after_training_ste
     pool.give("act", [train])
     pool.end_step(training=True)  # the validation shape was not received: released
     assert pool.take("act", (6,), torch.float32) is not val
+
+
+def test_the_cached_loss_gradient_is_remade_when_written_into() -> None:
+    """A loss whose custom backward scales grad_output in place must not change the next micro-batch's gradient."""
+    from lightning_zero.pipeline.runtime import PipelineRuntime
+
+    class InPlace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[override]
+            return x.sum()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[override]
+            return g.mul_(3.0).expand(2)
+
+    runtime = PipelineRuntime.__new__(PipelineRuntime)
+    runtime._loss_grad = None
+    grads = []
+    for _ in range(2):
+        x = torch.ones(2, requires_grad=True)
+        loss = InPlace.apply(x)
+        torch.autograd.backward(loss, runtime._loss_gradient(loss, 0.25))
+        grads.append(x.grad.tolist())
+    assert grads == [[0.75, 0.75], [0.75, 0.75]]
+    g = runtime._loss_gradient(loss, 0.25)
+    assert g is runtime._loss_gradient(loss, 0.25) and float(g) == 0.25  # reused while nothing writes into it
