@@ -192,7 +192,24 @@ class StepTrace(pl.Callback):
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         with open(os.path.join(self.out, f"{self.name}_rank{rank}.txt"), "w") as f:
             f.write(self.prof.key_averages().table(sort_by=key, row_limit=40))
+            f.write("\n" + memsets_by_op(self.prof.events()))
         self.prof = None
+
+
+def memsets_by_op(events: Any) -> str:
+    """``cudaMemsetAsync`` calls counted by the nearest ``aten::`` op that issued them (issue #32: the zero-fills
+    of a pipeline stage: the runtime's own allocations, or inside a library's kernels such as a GEMM's)."""
+    counts: dict[str, int] = {}
+    for ev in events:
+        if ev.name != "cudaMemsetAsync":
+            continue
+        parent = ev.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        name = parent.name if parent is not None else "(no aten op)"
+        counts[name] = counts.get(name, 0) + 1
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])
+    return "cudaMemsetAsync by issuing op: " + (", ".join(f"{n} {c}" for n, c in rows) or "none") + "\n"
 
 
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
