@@ -25,7 +25,8 @@ backward of every micro-batch has already run here, so the returned loss is the 
 zero-valued leaf: its backward touches no parameter (a no-op), while Lightning's ``post_backward``
 still runs and the strategy's engines reduce the accumulated gradients there, exactly once. The
 micro-batch losses are scaled by ``grad_scale()`` (fp16 loss scale / accumulate_grad_batches, what
-Lightning and the precision plugin would apply) divided by the number of micro-batches.
+Lightning and the precision plugin would apply) divided by the number of micro-batches: each
+micro-batch's backward starts from that value as its loss gradient (one cached 0-d tensor).
 
 [Note: activation metadata]
 A receiver must allocate a buffer before an activation arrives. The first time a message is sent
