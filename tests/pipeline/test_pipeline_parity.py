@@ -47,7 +47,7 @@ def _reference(blocks: int = 4, steps: int = 20, accumulate: int = 1, carry: boo
 @pytest.fixture(scope="module")
 def refs() -> dict[str, dict]:
     return {"4": _reference(4), "5": _reference(5), "4acc": _reference(4, steps=10, accumulate=2),
-            "4carry": _reference(4, carry=True)}
+            "4carry": _reference(4, steps=10, carry=True)}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def four_procs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         "p2x2_1f1b": "stages=2,schedule=1f1b,micro=2",
         "p2x2_gpipe": "stages=2,schedule=gpipe,micro=2",
         "p4_1f1b": "stages=4,schedule=1f1b,micro=4,count=1",
-        "p4_carry": "stages=4,schedule=1f1b,micro=4,carry=1,count=1",
+        "p4_carry": "stages=4,schedule=1f1b,micro=4,carry=1,count=1,steps=10",
     }
     return _launch(tmp_path_factory.mktemp("pipe4"), 4, runs)
 
