@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/pipeline.py                        # GPT-1.3B, M = 4, 8, 16 vs zero1
     torchrun --nproc-per-node 2 benchmarks/pipeline.py --results benchmarks/RESULTS.md
     torchrun --nproc-per-node 2 benchmarks/pipeline.py --device cpu --model tiny --steps 3 --warmup 1
+    torchrun --nproc-per-node 2 benchmarks/pipeline.py --compile                  # every block torch.compiled
 
 Workload: the GPT of ``examples/gpt.py`` (``conf/model/gpt_1b.yaml``: 24 x 2048, 16 heads, seq 1024,
 vocab 50304, tied embedding/head) written as a :class:`PipelineModule`, ``bf16-mixed``, AdamW, global
@@ -10,7 +11,9 @@ batch ``--global-batch`` sequences (default 16: 8 per GPU under zero1, as in DES
 
 Configurations: ``zero1`` and ``zero3`` (every GPU data parallel, the module runs in sequence) and ``pipe-M{4,8,16}``
 (``--stages`` stages, default 2, x the remaining GPUs data parallel, ZeRO-1 inside each stage, 1F1B over M micro-batches of
-global_batch / M sequences; ``--schedule`` picks another). Stages are balanced by forward FLOPs
+global_batch / M sequences; ``--schedule`` picks another). ``--compile``: every configuration with
+``ZeroStrategy(compile=True)`` (each block compiled one by one, lightning_zero/zero/compile.py; under a
+pipeline, the blocks the stage holds), so a stage launches fused kernels. Stages are balanced by forward FLOPs
 (embedding ~0, each block 1, the tied head ~ 2 V / (24 d + 4 seq) blocks), not by parameter count,
 because a stage's time, not its size, sets the bubble.
 
@@ -189,7 +192,24 @@ class StepTrace(pl.Callback):
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         with open(os.path.join(self.out, f"{self.name}_rank{rank}.txt"), "w") as f:
             f.write(self.prof.key_averages().table(sort_by=key, row_limit=40))
+            f.write("\n" + memsets_by_op(self.prof.events()))
         self.prof = None
+
+
+def memsets_by_op(events: Any) -> str:
+    """``cudaMemsetAsync`` calls counted by the nearest ``aten::`` op that issued them (issue #32: the zero-fills
+    of a pipeline stage: the runtime's own allocations, or inside a library's kernels such as a GEMM's)."""
+    counts: dict[str, int] = {}
+    for ev in events:
+        if ev.name != "cudaMemsetAsync":
+            continue
+        parent = ev.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        name = parent.name if parent is not None else "(no aten op)"
+        counts[name] = counts.get(name, 0) + 1
+    rows = sorted(counts.items(), key=lambda kv: -kv[1])
+    return "cudaMemsetAsync by issuing op: " + (", ".join(f"{n} {c}" for n, c in rows) or "none") + "\n"
 
 
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
@@ -206,7 +226,7 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
     model = PipeGPT(cfg, args.global_batch, args.global_batch * steps, partition)
     strategy = lightning_zero.ZeroStrategy(
         stage=3 if name == "zero3" else 1, pipeline_stages=stages, microbatches=micro, schedule=args.schedule, virtual_stages=args.virtual_stages,
-        process_group_backend="nccl" if args.device == "cuda" else "gloo",
+        process_group_backend="nccl" if args.device == "cuda" else "gloo", compile=args.compile,
     )
     timer = StepTimer(args.warmup)
     callbacks: list[pl.Callback] = [timer]
@@ -254,7 +274,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) ->
         f"### Pipeline vs ZeRO-1, {args.model}, {device}, {dt.date.today().isoformat()}",
         "",
         f"Global batch {args.global_batch} x seq; schedule {args.schedule}; {args.steps} measured steps after "
-        f"{args.warmup} warm-up. Bubble: idle fraction of the average stage (per stage in brackets).",
+        f"{args.warmup} warm-up{'; every block torch.compiled' if args.compile else ''}. Bubble: idle fraction of "
+        "the average stage (per stage in brackets).",
         "",
         "| config | stages x dp | M | micro-batch | tokens/s | vs zero1 | peak GiB/GPU | bubble measured | bubble theoretical |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -284,6 +305,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="ZeroStrategy(compile=True) in every configuration")
     parser.add_argument("--trace", default=None, help="profile the last 2 steps of each config: traces per rank here")
     parser.add_argument("--results", default=None, help="append the table to this markdown file (rank 0)")
     args = parser.parse_args()

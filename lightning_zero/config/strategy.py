@@ -124,6 +124,8 @@ class ZeroConfig(Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConf
                     raise ValueError(f"sequence_parallel={self.sequence_parallel} with {name}={value} is not built yet.")
             if self.compile:
                 raise ValueError(f"sequence_parallel={self.sequence_parallel} with compile is not built yet.")
+        if self.compile and self.tensor_parallel > 1:  # dynamo failed on the DTensor parameters (tests/parallel)
+            raise ValueError(f"compile with tensor_parallel={self.tensor_parallel} is not built yet.")
         self._validate_zeropp()
         self._validate_fp8()
         if self.expert_parallel > 1 and self.offloads:

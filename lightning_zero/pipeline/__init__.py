@@ -5,7 +5,7 @@ Write the model as a :class:`PipelineModule` of :class:`LayerSpec` / :class:`Tie
 ``Trainer(strategy=ZeroStrategy(stage=1, pipeline_stages=2, microbatches=8))`` (or ``strategy="pipeline"``)
 splits it into stages. Files: ``specs.py`` (layer specs), ``partition.py`` (split math),
 ``module.py`` (the module), ``schedule.py`` (schedules as data), ``runtime.py`` (executes them),
-``microbatch.py`` (batch splitting, activation shapes),
+``microbatch.py`` (batch splitting, activation shapes), ``buffers.py`` (receive buffers reused across micro-batches),
 ``tied.py`` (tied layers), ``checkpoint.py`` (combined checkpoints), ``timing.py`` (bubble),
 ``integration.py`` (what the strategy calls).
 """

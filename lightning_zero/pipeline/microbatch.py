@@ -136,7 +136,7 @@ def split_batch(inputs: Any, labels: Any, microbatches: int, strict: bool) -> tu
             "that is a multiple of it (and drop_last=True if the dataset does not divide), or change microbatches."
         )
     m = min(microbatches, n)
-    sizes = [t.shape[0] for t in torch.tensor_split(torch.empty(n, 0), m)]
+    sizes = [n // m + (1 if i < n % m else 0) for i in range(m)]  # torch.tensor_split's sizes
     return _split(inputs, m), _split(labels, m), sizes
 
 

@@ -25,7 +25,8 @@ backward of every micro-batch has already run here, so the returned loss is the 
 zero-valued leaf: its backward touches no parameter (a no-op), while Lightning's ``post_backward``
 still runs and the strategy's engines reduce the accumulated gradients there, exactly once. The
 micro-batch losses are scaled by ``grad_scale()`` (fp16 loss scale / accumulate_grad_batches, what
-Lightning and the precision plugin would apply) divided by the number of micro-batches.
+Lightning and the precision plugin would apply) divided by the number of micro-batches: each
+micro-batch's backward starts from that value as its loss gradient (one cached 0-d tensor).
 
 [Note: activation metadata]
 A receiver must allocate a buffer before an activation arrives. The first time a message is sent
@@ -47,9 +48,10 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.pipeline import microbatch as mbu
+from lightning_zero.pipeline.buffers import ReceiveBuffers
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.schedule import Action, Compute, Exchange, Message, Plan, build_plan
-from lightning_zero.pipeline.timing import BubbleStats, StageTimer
+from lightning_zero.pipeline.timing import BubbleStats, DeviceReadback, StageTimer
 
 
 class GradSync(Protocol):
@@ -71,6 +73,8 @@ class _StepState:
     labels: list[Any]
     train: bool
     want_outputs: bool = False
+    loss_scale: float = 1.0
+    """Gradient of each micro-batch loss: ``grad_scale()`` / micro-batches, read once per step."""
     received: dict[Message, tuple[bool, list[Tensor]]] = field(default_factory=dict)
     to_send: dict[Message, tuple[bool, list[Tensor]]] = field(default_factory=dict)
     saved: dict[tuple[int, int], tuple[list[Tensor], Any]] = field(default_factory=dict)
@@ -111,9 +115,14 @@ class PipelineRuntime:
         self.grad_sync = grad_sync
         self.timer = StageTimer(device)
         self.bubble = BubbleStats(stages)
-        self._timing: Optional[tuple[Tensor, float]] = None
+        self._timing: Optional[float] = None
+        """This rank's busy seconds of the step whose reduced timings ``_readback`` holds."""
+        self._readback = DeviceReadback(device)
         self._meta: OrderedDict[tuple, dict[Message, mbu.ActivationMeta]] = OrderedDict()
         self._meta_cache_size = meta_cache_size
+        self.buffers = ReceiveBuffers(device)
+        self._loss_grad: Optional[tuple[float, Tensor, int]] = None
+        """(scale, the loss gradient, its version when made): :meth:`_loss_gradient`."""
         self._last_v = stages * chunks - 1
         placement = module.placement
         assert placement is not None, "the module must be placed (materialize) before a runtime runs it"
@@ -147,7 +156,7 @@ class PipelineRuntime:
         mbs_in, mbs_lb, _ = mbu.split_batch(inputs, labels, self.microbatches, strict=True)
         m = len(mbs_in)
         plan = build_plan(self.schedule, self.stages, m, self.chunks)
-        st = _StepState(mbs_in, mbs_lb, train=True)
+        st = _StepState(mbs_in, mbs_lb, train=True, loss_scale=self.grad_scale() / m)
         if self.grad_sync is not None:
             self.grad_sync.begin()
         try:
@@ -177,7 +186,7 @@ class PipelineRuntime:
         return buf[0].float()
 
     def _reduce_loss_and_timing(self, local_loss: Any) -> Tensor:
-        """One all-reduce for the loss (from the last stage) and the previous step's timings.
+        """One all-reduce for the loss (from the last stage) and an earlier step's timings.
 
         The reduced timings are read at the next step (see [Note: measuring the bubble] in timing.py),
         so reading them never waits for the device.
@@ -194,16 +203,16 @@ class PipelineRuntime:
             buf[3] = 1.0
         C.all_reduce(buf, self.group, "sum")
         if prev is not None:
-            self._timing = (buf, prev[0])
+            self._readback.put(buf)
+            self._timing = prev[0]
         return buf[0].float()
 
     def collect_timing(self) -> None:
         """Fold the last reduced timings into the bubble statistics."""
         if self._timing is None:
             return
-        buf, local_busy = self._timing
-        self._timing = None
-        _, busy_all, span, count = buf.tolist()
+        local_busy, self._timing = self._timing, None
+        _, busy_all, span, count = self._readback.get()
         if int(round(count)) == self.stages:
             self.bubble.add(busy_all, local_busy, span)
 
@@ -228,6 +237,7 @@ class PipelineRuntime:
         for work in st.sending:
             work.wait()
         st.sending.clear()
+        self.buffers.end_step(st.train)
 
     def _forward(self, plan: Plan, a: Action, st: _StepState) -> None:
         v = plan.vstage(self.rank, a.chunk)
@@ -249,27 +259,47 @@ class PipelineRuntime:
             loss = self.module.compute_loss(y, st.labels[a.mb])
             st.losses[a.mb] = loss.detach()
             out: Any = loss
+            sent = [loss]
         else:
             is_tuple, ys = mbu.flatten(y, self._where[v])
             st.to_send[Message("act", a.mb, v, v + 1)] = (is_tuple, ys)
-            out = ys
+            out = sent = ys
         if st.train:
             st.saved[(a.mb, a.chunk)] = (x_tensors, out)
+        elif x_tensors:  # [Note: reused receive buffers] (buffers.py): read by nothing but what is sent on
+            self.buffers.give("act", x_tensors, in_use=sent)
 
     def _backward(self, plan: Plan, a: Action, st: _StepState) -> None:
         v = plan.vstage(self.rank, a.chunk)
         x_tensors, out = st.saved.pop((a.mb, a.chunk))
+        grads: list[Tensor] = []
         if v == self._last_v:
-            torch.autograd.backward(out * (self.grad_scale() / plan.microbatches))
+            torch.autograd.backward(out, self._loss_gradient(out, st.loss_scale))
         else:
             _, grads = st.received.pop(Message("grad", a.mb, v + 1, v))
             floats = [t for t in out if t.is_floating_point()]
             pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if v > 0:
-            grads_in = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_tensors if t.is_floating_point()]
+        grads_in: list[Tensor] = []
+        if v > 0:  # an input the loss did not reach gets zeros (shared, read-only: buffers.py)
+            grads_in = [t.grad if t.grad is not None else self.buffers.zeros(t) for t in x_tensors if t.is_floating_point()]
             st.to_send[Message("grad", a.mb, v, v - 1)] = (True, grads_in)
+        # [Note: reused receive buffers] (buffers.py): free unless what is sent on shares their storage
+        self.buffers.give("grad", grads, in_use=grads_in)
+        self.buffers.give("act", x_tensors, in_use=[*grads_in, *(out if isinstance(out, list) else [out])])
+
+    def _loss_gradient(self, loss: Tensor, scale: float) -> Tensor:
+        """The gradient a micro-batch loss starts its backward with: ``scale`` as a 0-d tensor, made once and
+        reused while the scale stays (``(loss * scale).backward()`` launched a multiply, a fill of ones and the
+        multiply's backward per micro-batch for the same value). Made again if anything wrote into it (its
+        version counter moved: a loss whose custom backward scales ``grad_output`` in place)."""
+        cached = self._loss_grad
+        if (cached is None or cached[0] != scale or cached[1].dtype != loss.dtype or cached[1].device != loss.device
+                or cached[1]._version != cached[2]):
+            g = torch.full((), scale, dtype=loss.dtype, device=loss.device)
+            cached = self._loss_grad = (scale, g, g._version)
+        return cached[1]
 
     def _exchange(self, plan: Plan, ex: Exchange, st: _StepState, cache: dict[Message, mbu.ActivationMeta]) -> None:
         # phase 1: shapes of activations not seen before for this batch signature
@@ -309,10 +339,10 @@ class PipelineRuntime:
         for m in ex.recvs:
             if m.kind == "act":
                 meta = cache[m]
-                bufs, is_tuple = meta.empty(self.device), meta.is_tuple
+                bufs, is_tuple = [self.buffers.take("act", t.shape, t.dtype) for t in meta.tensors], meta.is_tuple
             else:
                 _, out = st.saved[(m.mb, m.dst // self.stages)]
-                bufs, is_tuple = [torch.empty_like(o, memory_format=torch.contiguous_format) for o in out if o.is_floating_point()], True
+                bufs, is_tuple = [self.buffers.take("grad", o.shape, o.dtype) for o in out if o.is_floating_point()], True
             recvs += [(b, plan.rank_of(m.src)) for b in bufs]
             arrived.append((m, is_tuple, bufs))
         works = C.send_recv(sends, recvs, self.group, wait=False)

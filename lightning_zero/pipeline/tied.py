@@ -80,7 +80,7 @@ def _grad_views(engines: Sequence[ZeroEngine]) -> dict[int, Tensor]:
             if fg.flat_grad is None:
                 continue
             for si, slot in enumerate(fg.layout.slots):
-                views[id(fg.params[slot.index])] = fg.param_view(si, fg.flat_grad)
+                views[id(fg.params[slot.index])] = fg.grad_view(si)  # made once (flat_group.py)
     return views
 
 

@@ -8,9 +8,14 @@ starts first and finishes last (its final backward ends the schedule), so its sp
 makespan. The bubble is ``1 - sum(busy over stages) / (P * span)``: the idle fraction of the average
 stage, the quantity the formula ``(P - 1) / (M + P - 1)`` predicts for equal stages.
 
-The numbers of step ``k`` ride along with the loss all-reduce of step ``k + 1`` (one collective per
-step for both), so that on CUDA the events are read a step late, when they have long completed,
-without a device synchronisation in the training loop.
+The numbers of a step ride along with the loss all-reduce of a later step (one collective per step
+for both), and nothing in the training loop waits for the device: on CUDA a step's events are read at
+the end of the step after it (the events of the step just finished are still queued behind its
+work: reading them waited for the whole step, as a device synchronisation would), and only once its
+end event has completed (else that step is not counted: every rank must report a step for it to
+count, runtime.py); the reduced numbers come to the host by an asynchronous copy read at the next
+step (:class:`DeviceReadback`; ``.tolist()`` on the device buffer waited for every kernel queued
+before it). On CPU a step is timed with the wall clock and read at once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class StageTimer:
         self._busy = 0.0
         self._ready: Optional[tuple[float, float]] = None
         self._pending: Optional[tuple[object, object, list[tuple[object, object]]]] = None
+        """CUDA: the events of the step just finished (read after the next one)."""
+        self._older: Optional[tuple[object, object, list[tuple[object, object]]]] = None
+        """CUDA: the events of the step before it (what :meth:`take` reads)."""
 
     def _mark(self) -> object:
         if self.cuda:
@@ -62,20 +70,51 @@ class StageTimer:
     def end_step(self) -> None:
         end = self._mark()
         if self.cuda:
-            self._pending = (self._step_start, end, self._events)
+            self._older, self._pending = self._pending, (self._step_start, end, self._events)
         else:
             self._ready = (self._busy, float(end) - float(self._step_start))  # type: ignore[arg-type]
 
     def take(self) -> Optional[tuple[float, float]]:
-        """(busy seconds, span seconds) of the last finished step, once; None when there is none."""
-        if self.cuda and self._pending is not None:
-            start, end, events = self._pending
-            end.synchronize()  # type: ignore[attr-defined]
+        """(busy seconds, span seconds) of a finished step, once; None when there is none. CPU: the last
+        step. CUDA: the step before it, if the device has completed it (never waits: see the note)."""
+        if self.cuda:
+            older, self._older = self._older, None
+            if older is None or not older[1].query():  # type: ignore[attr-defined]
+                return None
+            start, end, events = older
             busy = sum(s.elapsed_time(e) for s, e in events) / 1e3  # type: ignore[attr-defined]
-            self._ready = (busy, start.elapsed_time(end) / 1e3)  # type: ignore[attr-defined]
-            self._pending = None
+            return busy, start.elapsed_time(end) / 1e3  # type: ignore[attr-defined]
         out, self._ready = self._ready, None
         return out
+
+
+class DeviceReadback:
+    """A small device tensor brought to the host without waiting for the device: copied asynchronously
+    into pinned memory when put, read (normally a step later, when the copy has long completed) by
+    :meth:`get`. On CPU the tensor itself is kept."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._host: Optional[torch.Tensor] = None
+        self._event: Optional[object] = None
+
+    def put(self, t: torch.Tensor) -> None:
+        """Start bringing ``t`` to the host (the value :meth:`get` returns until the next put)."""
+        if not self.cuda:
+            self._host = t
+            return
+        if self._host is None or self._host.shape != t.shape or self._host.dtype != t.dtype:
+            self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()  # type: ignore[attr-defined]
+
+    def get(self) -> list[float]:
+        """The values last put (waits for their copy only, not for work queued after it)."""
+        assert self._host is not None, "put() first"
+        if self._event is not None:
+            self._event.synchronize()  # type: ignore[attr-defined]
+        return self._host.tolist()
 
 
 class BubbleStats:
@@ -108,4 +147,4 @@ class BubbleStats:
         return min(1.0, max(0.0, 1.0 - busy / span))
 
 
-__all__ = ["StageTimer", "BubbleStats"]
+__all__ = ["StageTimer", "BubbleStats", "DeviceReadback"]

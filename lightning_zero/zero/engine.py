@@ -216,7 +216,9 @@ class ZeroEngine:
     def _stash_grad(self, gi: int, si: int, param: Tensor) -> None:
         """Make sure the gradient lives in the flat buffer (user code may have replaced ``.grad``)."""
         fg = self.groups[gi]
-        view = fg.param_view(si, fg.flat_grad)
+        view = fg.grad_view(si)
+        if param.grad is view:  # accumulated in place already (every backward after the step's first)
+            return
         grad = local_grad(param, param.grad) if param.grad is not None else None
         if grad is not None and grad.data_ptr() != view.data_ptr():
             view.add_(grad)

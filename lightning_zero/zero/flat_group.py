@@ -121,6 +121,8 @@ class FlatParamGroup(ShardViews):
         self.grad_shard: Optional[Tensor] = None
         """fp32 reduced gradients of this rank's shard (stages 1 and 2), accumulated over micro-batches."""
         self._grad_written = set()
+        self._grad_views: Optional[tuple[Tensor, list[Optional[Tensor]]]] = None
+        """(the ``flat_grad`` they view, each slot's view or None): :meth:`grad_view`."""
 
     # --- views --------------------------------------------------------------------------------
     def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:
@@ -133,5 +135,18 @@ class FlatParamGroup(ShardViews):
         self.flat_grad = torch.zeros(self.layout.total, dtype=dtype, device=self.device)
         for i in range(len(self.layout.slots)):
             p = self.params[self.layout.slots[i].index]
-            p.grad = grad_like(p, self.param_view(i, self.flat_grad))
+            p.grad = grad_like(p, self.grad_view(i))
+
+    def grad_view(self, slot_index: int) -> Tensor:
+        """Parameter ``slot_index``'s view of ``flat_grad``, made once: the gradient hook asks for it per
+        parameter and per backward (every micro-batch of a pipeline), and slicing a fresh view each time
+        was the largest host cost of the hook. Rebuilt if ``flat_grad`` is replaced."""
+        assert self.flat_grad is not None
+        cached = self._grad_views
+        if cached is None or cached[0] is not self.flat_grad:
+            cached = self._grad_views = (self.flat_grad, [None] * len(self.layout.slots))
+        view = cached[1][slot_index]
+        if view is None:
+            view = cached[1][slot_index] = self.param_view(slot_index, self.flat_grad)
+        return view
 

@@ -39,6 +39,16 @@ def test_pipeline_x_tp_needs_stage_0_or_1() -> None:
         ZeroStrategy(stage=2, tensor_parallel=2, pipeline_stages=2)
 
 
+def test_compile_with_tensor_parallel_is_refused_up_front() -> None:
+    """On 4 gloo ranks (pp 2 x tp 2 and pp 1 x tp 2, ZeRO-1) the compiled blocks failed inside dynamo
+    ("set the storage of a tensor on device cpu to a storage on different device meta"): refused before training."""
+    ZeroConfig(compile=True, stage=1, pipeline_stages=2)  # compile under the pipeline is built
+    with pytest.raises(ValueError, match="compile with tensor_parallel=2 is not built yet"):
+        ZeroConfig(compile=True, tensor_parallel=2)
+    with pytest.raises(ValueError, match="compile with tensor_parallel=2 is not built yet"):
+        ZeroStrategy(stage=1, compile=True, tensor_parallel=2, pipeline_stages=2)
+
+
 def test_stage_plan_refuses_a_layer_holding_part_of_the_plan() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

@@ -7,17 +7,39 @@ losses and the gradient norm before clipping.
 
 from __future__ import annotations
 
+from collections import Counter
+from contextlib import nullcontext
 from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lightning_zero.pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 
 VOCAB, DIM, SEQ = 37, 24, 8
+
+
+ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+FILL_OPS = frozenset({"zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like", "new_full", "ones",
+                      "ones_like", "new_ones"})
+
+
+class AllocCounter(TorchDispatchMode):
+    """Counts the allocations and fills (on a GPU each fill is a kernel or a memset) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in ALLOC_OPS or name in FILL_OPS:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class RandomTokens(Dataset):
@@ -51,10 +73,31 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def layer_specs(blocks: int) -> list:
+class CarryBlock(Block):
+    """A block on ``(h, c)`` that reads ``c`` and passes it on unchanged (as T5 passes its position bias from
+    block to block): a stage holding only such blocks sends on the very tensor it received, and the gradient
+    it receives for ``c`` flows straight into its input's ``.grad`` (pipeline/buffers.py's aliasing cases)."""
+
+    def forward(self, hc: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        h, c = hc
+        return super().forward(h) + 0.1 * c, c
+
+
+def start_carry(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return h, 0.5 * h
+
+
+def drop_carry(hc: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return hc[0]
+
+
+def layer_specs(blocks: int, carry: bool = False) -> list:
+    body = [LayerSpec(Block, DIM) for _ in range(blocks)]
+    if carry:
+        body = [start_carry, *[LayerSpec(CarryBlock, DIM) for _ in range(blocks)], drop_carry]
     return [
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM),
-        *[LayerSpec(Block, DIM) for _ in range(blocks)],
+        *body,
         LayerSpec(nn.LayerNorm, DIM),
         TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head),
     ]
@@ -63,20 +106,27 @@ def layer_specs(blocks: int) -> list:
 class PipeNet(LightningModule):
     def __init__(
         self, blocks: int = 4, partition: Union[str, list[int]] = "parameters", global_batch: int = 8,
-        n_train: int = 80, lr: float = 3e-3, checkpoint_interval: int = 0,
+        n_train: int = 80, lr: float = 3e-3, checkpoint_interval: int = 0, carry: bool = False,
     ) -> None:
         super().__init__()
         self.pipe = PipelineModule(
-            layer_specs(blocks), token_loss, partition=partition, activation_checkpoint_interval=checkpoint_interval
+            layer_specs(blocks, carry), token_loss, partition=partition, activation_checkpoint_interval=checkpoint_interval
         )
         self.global_batch = global_batch
         self.n_train = n_train
         self.lr = lr
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+        self.count_allocations = False
+        self.allocations: list[dict[str, int]] = []
+        """With ``count_allocations``: allocations and fills of each training step's ``pipe(batch)``."""
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.pipe(batch)
+        counter = AllocCounter() if self.count_allocations else nullcontext()
+        with counter:
+            loss = self.pipe(batch)
+        if isinstance(counter, AllocCounter):
+            self.allocations.append(dict(counter.counts))
         self.losses.append(float(loss.detach()))
         self.log("train_loss", loss)
         return loss

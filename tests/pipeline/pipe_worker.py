@@ -5,7 +5,9 @@ SPEC is ``key=value`` pairs joined by ``,``: stages, micro, schedule, virtual, s
 blocks, partition ('uniform' etc.), steps, clip, ckpt (save a checkpoint after fit), fmt (checkpoint_format), resume (checkpoint
 at every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``; with
 resume_stages=S it resumes with S pipeline stages),
-accumulate, precision, expect (a bad-input case: 'layers' or 'batch'; the error message is recorded).
+accumulate, precision, expect (a bad-input case: 'layers' or 'batch'; the error message is recorded),
+carry (1: blocks pass a second tensor on unchanged, pipe_model.CarryBlock), count (1: record the allocations and fills of every training step, ``allocations`` per rank), compile (a
+torch.compile backend: ``ZeroStrategy(compile=True)`` with it and fullgraph; dynamo's counters per rank).
 Rank 0 writes ``OUT/NAME.pt``.
 """
 
@@ -39,6 +41,13 @@ class OneLayerNet(PipeNet):
 
 
 def make_trainer(opts: dict[str, str], steps: int, callbacks: list) -> pl.Trainer:
+    compiled: dict = {}
+    if "compile" in opts:
+        from torch._dynamo.utils import counters
+
+        torch._dynamo.reset()
+        counters.clear()  # the counters of this run only
+        compiled = {"compile": True, "compile_options": {"backend": opts["compile"], "fullgraph": True}}
     strategy = lightning_zero.ZeroStrategy(
         stage=int(opts.get("stage", 1)),
         pipeline_stages=int(opts.get("stages", 2)),
@@ -46,7 +55,7 @@ def make_trainer(opts: dict[str, str], steps: int, callbacks: list) -> pl.Traine
         schedule=opts.get("schedule", "1f1b"),
         virtual_stages=int(opts.get("virtual", 2)),
         bucket_size_mb=0.002,
-        checkpoint_format=opts.get("fmt", "sharded"),
+        checkpoint_format=opts.get("fmt", "sharded"), **compiled,
     )
     return pl.Trainer(
         accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=steps,
@@ -64,7 +73,7 @@ def make_model(opts: dict[str, str]) -> PipeNet:
     return PipeNet(
         blocks=int(opts.get("blocks", 4)),
         partition=[int(b) for b in partition.split("-")] if "-" in partition else partition,
-        checkpoint_interval=int(opts.get("ckpt_interval", 0)),
+        checkpoint_interval=int(opts.get("ckpt_interval", 0)), carry=opts.get("carry") == "1",
     )
 
 
@@ -84,6 +93,7 @@ def run(name: str, spec: str, out: str) -> None:
             result["trained_losses"] = list(getattr(model, "losses", []))
     else:
         model = make_model(opts)
+        model.count_allocations = opts.get("count") == "1"
         probe = GradNormProbe()
         callbacks: list = [probe]
         ckpt_dir = os.path.join(out, f"{name}_ckpt")
@@ -109,7 +119,16 @@ def run(name: str, spec: str, out: str) -> None:
             layout = {**opts, "stages": opts.get("resume_stages", opts.get("stages", "2"))}  # another layout
             make_trainer(layout, steps, []).fit(again, ckpt_path=os.path.join(ckpt_dir, first))
             result["resumed_losses"] = list(again.losses)
-    keys = ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict", "resumed_losses")
+    result["allocations"] = list(getattr(model, "allocations", []))
+    if "compile" in opts:
+        from torch._dynamo.utils import counters
+
+        plan = trainer.strategy.compile_plan
+        result.update(compiled=list(plan.compiled) if plan is not None else [],
+                      calls_captured=counters["stats"]["calls_captured"],
+                      graph_breaks=sum(counters["graph_break"].values()))
+    keys = ("losses", "val_losses", "error", "local_keys", "bubble", "grad_norms", "predict", "resumed_losses",
+            "allocations", "compiled", "calls_captured", "graph_breaks")
     save_result(result, {k: result.get(k) for k in keys}, out, name)
 
 
