@@ -284,6 +284,14 @@ def tp_main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+class _Rows(list):
+    """The rows, each printed as it is measured (a run cut short by a time limit still reports what it did)."""
+
+    def append(self, row: tuple[str, float]) -> None:
+        super().append(row)
+        print(f"row {row[0]}: {row[1]:.1f} tokens/s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.tp > 1:
@@ -299,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
     mask = torch.ones_like(prompt)
-    rows: list[tuple[str, float]] = [("roofline", read_bandwidth(device) / weight_bytes)]
+    rows = _Rows()
+    rows.append(("roofline", read_bandwidth(device) / weight_bytes))
     ours = lambda m: (lambda k: generate(m, prompt, k))  # noqa: E731
     rows.append((f"ours_{args.dtype}", decode_rate(ours(model), args.new_tokens, args.repeats, device)))
     if not args.no_compile:
