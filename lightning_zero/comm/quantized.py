@@ -18,7 +18,9 @@ step's traffic.
 A shard is quantized in whole blocks (its last block zero-padded), but only the codes of its real
 elements travel (``numel`` bytes in int8, ``ceil(numel / 2)`` in int4) with one fp32 scale per block; the
 receiver pads them back with zero codes. Stage 3's chunks are often smaller than one block, where the
-padding would otherwise cost more than the codes. A piece's scales and codes travel packed in one row of
+padding would otherwise cost more than the codes. On CUDA with Triton, quant/triton_blocks.py's fused kernels
+produce and consume this same format ([Note: fused quantize kernels]): the functions below are their
+definition and the CPU path. A piece's scales and codes travel packed in one row of
 bytes, so each quantized collective is one exchange. The ``start_*`` forms are asynchronous: they launch
 the exchanges and return a :class:`QuantizedWork` whose ``wait`` dequantizes (and sums) once they are in,
 as the exact collectives' work handles let stage 3 overlap its gathers and reductions.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.quant import triton_blocks as fused
 from lightning_zero.quant.blocks import Q_MAX, _unpack_int4, quantize
 
 
@@ -73,6 +76,8 @@ def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
     both. Flat, ``n x quantized_nbytes(numel, ...)``."""
+    if fused.fused_applies(rows, block):
+        return fused.quantize_rows(rows, bits, block)
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
@@ -111,7 +116,10 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
     work = C.all_gather(every, mine, group, async_op=True)
 
     def finish() -> None:
-        out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
+        if fused.fused_applies(out, block) and out.is_contiguous():  # straight into out, in its dtype
+            fused.dequantize_rows_into(out, every, n, numel, bits, block)
+        else:
+            out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
         return None
 
     return QuantizedWork([work], finish, ((n - 1) * mine.numel(),))
@@ -132,6 +140,8 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
     work = C.all_to_all(received, packed, group, async_op=True)
 
     def finish() -> Tensor:
+        if fused.fused_applies(received, block):  # one pass: dequantized and summed in fp32, rank order
+            return fused.dequantize_sum(received, n, m, bits, block)
         return _dequantize_rows(received, n, m, bits, block).sum(0)
 
     return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
