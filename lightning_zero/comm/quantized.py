@@ -75,9 +75,14 @@ class QuantizedWork:
 def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
-    both. Flat, ``n x quantized_nbytes(numel, ...)``."""
+    both. Flat, ``n x quantized_nbytes(numel, ...)``. On CUDA, the fused kernel (equal bytes)."""
     if fused.fused_applies(rows, block):
         return fused.quantize_rows(rows, bits, block)
+    return _quantize_rows_eager(rows, bits, block)
+
+
+def _quantize_rows_eager(rows: Tensor, bits: int, block: int) -> Tensor:
+    """:func:`_quantize_rows` in pure torch: the definition, and the path off CUDA."""
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block

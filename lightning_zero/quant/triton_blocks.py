@@ -113,22 +113,25 @@ if triton is not None:
         start = b * BLOCK
         codes = row_ptr + nb * 4
         if BITS == 8:
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < numel
-            c = tl.load(codes + offs, mask=mask, other=0).to(tl.int8, bitcast=True)
-            v = c.to(tl.float32) * scale
-            return v, offs, mask, v, offs, mask
+            o0 = start + tl.arange(0, BLOCK)
+            m0 = o0 < numel
+            c = tl.load(codes + o0, mask=m0, other=0).to(tl.int8, bitcast=True)
+            v0 = c.to(tl.float32) * scale
+            v1, o1, m1 = v0, o0, m0
         else:
             half = tl.arange(0, BLOCK // 2)
-            offs = start + 2 * half
-            mask = offs < numel
-            byte = tl.load(codes + start // 2 + half, mask=mask, other=0).to(tl.int32)
+            o0 = start + 2 * half
+            m0 = o0 < numel
+            byte = tl.load(codes + start // 2 + half, mask=m0, other=0).to(tl.int32)
             lo = byte & 0xF
             hi = byte >> 4
             lo = tl.where(lo > 7, lo - 16, lo)  # two's-complement nibbles
             hi = tl.where(hi > 7, hi - 16, hi)
-            return (lo.to(tl.float32) * scale, offs, mask, hi.to(tl.float32) * scale, offs + 1,
-                    offs + 1 < numel)  # fmt: skip
+            v0 = lo.to(tl.float32) * scale
+            v1 = hi.to(tl.float32) * scale
+            o1 = o0 + 1
+            m1 = o1 < numel
+        return v0, o0, m0, v1, o1, m1
 
     @triton.jit
     def _dequantize_kernel(packed_ptr, out_ptr, numel, row_bytes, nb, BITS: tl.constexpr, BLOCK: tl.constexpr):
@@ -147,9 +150,17 @@ if triton is not None:
         HALF: tl.constexpr = BLOCK if BITS == 8 else BLOCK // 2
         acc0 = tl.zeros((HALF,), tl.float32)
         acc1 = tl.zeros((HALF,), tl.float32)
+        start = b * BLOCK
+        if BITS == 8:
+            o0 = start + tl.arange(0, BLOCK)
+        else:
+            o0 = start + 2 * tl.arange(0, BLOCK // 2)
+        o1 = o0 + 1
+        m0 = o0 < numel
+        m1 = o1 < numel
         row_ptr = packed_ptr
         for _ in range(0, n):
-            v0, o0, m0, v1, o1, m1 = _load_block(row_ptr, b, numel, nb, BITS, BLOCK)
+            v0, _o0, _m0, v1, _o1, _m1 = _load_block(row_ptr, b, numel, nb, BITS, BLOCK)
             acc0 += v0
             acc1 += v1
             row_ptr += row_bytes
