@@ -131,10 +131,11 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
 
 
 def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
-                         block: int = 2048) -> QuantizedWork:
+                         block: int = 2048, divisor: int = 1) -> QuantizedWork:
     """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
     all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
-    ranks in ``result``, fp32, summed from the dequantized contributions in rank order."""
+    ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
+    ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA)."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
@@ -146,8 +147,9 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
 
     def finish() -> Tensor:
         if fused.fused_applies(received, block):  # one pass: dequantized and summed in fp32, rank order
-            return fused.dequantize_sum(received, n, m, bits, block)
-        return _dequantize_rows(received, n, m, bits, block).sum(0)
+            return fused.dequantize_sum(received, n, m, bits, block, divisor)
+        total = _dequantize_rows(received, n, m, bits, block).sum(0)
+        return total.div_(divisor) if divisor != 1 else total
 
     return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
 
@@ -157,9 +159,10 @@ class TwoLevelWork(QuantizedWork):
     :meth:`advance` (or ``wait``), which needs the inner sums."""
 
     def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
-                 levels: tuple[int, ...]) -> None:
+                 levels: tuple[int, ...], divisor: int = 1) -> None:
         super().__init__([], self._finish_both, levels)
         self._first, self._outer, self._bits, self._block = first, outer, bits, block
+        self._divisor = divisor
         self._second: Optional[QuantizedWork] = None
 
     def advance(self) -> None:
@@ -167,7 +170,8 @@ class TwoLevelWork(QuantizedWork):
         it must advance its works in the same order (the launch order)."""
         if self._second is None:
             self._first.wait()
-            self._second = start_reduce_scatter(self._first.result, self._outer, self._bits, self._block)  # type: ignore[arg-type]
+            inner_sums: Tensor = self._first.result  # type: ignore[assignment]
+            self._second = start_reduce_scatter(inner_sums, self._outer, self._bits, self._block, self._divisor)
 
     def _finish_both(self) -> Optional[Tensor]:
         self.advance()
@@ -177,12 +181,13 @@ class TwoLevelWork(QuantizedWork):
 
 
 def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
-                                      bits: int = 8, block: int = 2048) -> TwoLevelWork:
+                                      bits: int = 8, block: int = 2048, divisor: int = 1) -> TwoLevelWork:
     """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
     ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
     the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
     re-quantized and exchanged across nodes. ``result`` (fp32) is this rank's chunk ``node * h + local`` of
-    the sum, as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
+    the sum (divided by ``divisor`` at the outer level), as :func:`start_reduce_scatter` over all ``n``
+    would give. The outer level starts in
     ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
     every rank."""
     h, k = C.world_size(inner), C.world_size(outer)
@@ -192,7 +197,8 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     m = flat.numel() // (h * k)
     arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
     first = start_reduce_scatter(arranged, inner, bits, block)
-    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)))
+    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
+                        divisor)
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:

@@ -15,7 +15,7 @@ into the bf16 buffer. Here each is one kernel, one program per (row, block):
 * ``dequantize_rows_into``: reads a row's scale and codes and writes ``code * scale`` in the destination's
   dtype (bf16 under bf16-mixed) into the gathered buffer: no fp32 temporary, no zero-filled padding.
 * ``dequantize_sum``: qgZ's receive side: the ``n`` received rows dequantized and summed in fp32 in one
-  pass, rank order, from 0 (as ``sum(0)`` adds them).
+  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out.
 
 The arithmetic is the eager definition's, operation for operation, so codes, scales and values equal the
 eager reference's bit for bit: the scale is ``max |x| / q_max`` and the code ``rint(x / scale)`` with
@@ -144,7 +144,7 @@ if triton is not None:
             tl.store(out_row + o1, v1.to(out_ptr.dtype.element_ty), mask=m1)
 
     @triton.jit
-    def _dequantize_sum_kernel(packed_ptr, out_ptr, n, numel, row_bytes, nb, BITS: tl.constexpr,
+    def _dequantize_sum_kernel(packed_ptr, out_ptr, n, numel, row_bytes, nb, inv, BITS: tl.constexpr,
                                BLOCK: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         HALF: tl.constexpr = BLOCK if BITS == 8 else BLOCK // 2
@@ -164,9 +164,9 @@ if triton is not None:
             acc0 += v0
             acc1 += v1
             row_ptr += row_bytes
-        tl.store(out_ptr + o0, acc0, mask=m0)
+        tl.store(out_ptr + o0, acc0 * inv, mask=m0)
         if BITS == 4:
-            tl.store(out_ptr + o1, acc1, mask=m1)
+            tl.store(out_ptr + o1, acc1 * inv, mask=m1)
 
 
 def _code_bytes(numel: int, bits: int) -> int:
@@ -212,14 +212,16 @@ def dequantize_rows_into(out: Tensor, packed: Tensor, n: int, numel: int, bits: 
     return out
 
 
-def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int) -> Tensor:
-    """``_dequantize_rows(...).sum(0)`` in one kernel: fp32 ``[numel]``, rows added in order from 0."""
+def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1) -> Tensor:
+    """``_dequantize_rows(...).sum(0).div_(divisor)`` in one kernel: fp32 ``[numel]``, rows added in order
+    from 0, then multiplied by the fp32 reciprocal of ``divisor``, as CUDA's ``div_`` by a number does (one
+    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing)."""
     _check(bits, block)
     nb = math.ceil(numel / block)
     row_bytes = nb * 4 + _code_bytes(numel, bits)
     out = torch.empty(numel, dtype=torch.float32, device=packed.device)
     if numel:
-        _dequantize_sum_kernel[(nb,)](packed, out, n, numel, row_bytes, nb, BITS=bits, BLOCK=block,
+        _dequantize_sum_kernel[(nb,)](packed, out, n, numel, row_bytes, nb, 1.0 / divisor, BITS=bits, BLOCK=block,
                                       num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
     return out
 

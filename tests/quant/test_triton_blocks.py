@@ -5,13 +5,14 @@ On a GPU (marked ``gpu``: ``python -m pytest tests/quant/test_triton_blocks.py -
 CUDA tensors and the eager reference on CPU copies (the definition: on CUDA, eager ``max|x| / q_max`` would
 multiply by a rounded reciprocal, which can differ by one ulp); everything must be equal: the packed wire
 bytes (scales and codes, int8 and int4, exact ties ``k + 1/2`` rounding to even included), the dequantized
-rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows. Without a
-GPU, when Triton is installed, the same comparison runs in Triton's interpreter (``TRITON_INTERPRET=1``, in a
-subprocess), where everything is compared bit for bit but the dequantized rows are written in fp32 only:
-the interpreter's fp32 to bf16 conversion neither rounds to nearest even nor carries a rounded-up
-mantissa into the exponent (CUDA's does both), so only the GPU test checks the bf16 destination. Sizes: one element, odd counts, smaller than a block, a whole number of blocks, a partial
-last block; inputs in fp32 and bf16 spanning five decades, with an all-zero block and a NaN block (whose
-scale is NaN and values all NaN; the NaN element's own code is undefined, as eager's cast of NaN is).
+rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows (and its
+division by the data-parallel size). Without a GPU, when Triton is installed, the same comparison runs in
+Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), where everything is compared bit for bit but
+the dequantized rows are written in fp32 only: the interpreter's fp32 to bf16 conversion neither rounds to
+nearest even nor carries a rounded-up mantissa into the exponent (CUDA's does both), so only the GPU test
+checks the bf16 destination. Sizes: one element, odd counts, smaller than a block, a whole number of blocks, a
+partial last block; inputs in fp32 and bf16 spanning five decades, with an all-zero block and a NaN block
+(whose scale is NaN and values all NaN; the NaN element's own code is undefined, as eager's cast of NaN is).
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
         want_sum = values.sum(0)
         if not _same(total, want_sum):
             bad.append(f"{where}: sums differ by up to {float((total - want_sum).nan_to_num().abs().max())}")
+        if n == 3:  # stage 3's mean over 3 ranks: times the fp32 reciprocal (CUDA's div_ by a number)
+            mean = fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=3).cpu()
+            if not _same(mean, want_sum * torch.tensor(1 / 3, dtype=torch.float32)):
+                bad.append(f"{where}: the sum divided by 3 differs")
         if case == "special" and numel > block and not bool(total[block : 2 * block].isnan().all()):
             bad.append(f"{where}: a NaN block's values are not all NaN")
     return bad
