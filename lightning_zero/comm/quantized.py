@@ -18,7 +18,9 @@ step's traffic.
 A shard is quantized in whole blocks (its last block zero-padded), but only the codes of its real
 elements travel (``numel`` bytes in int8, ``ceil(numel / 2)`` in int4) with one fp32 scale per block; the
 receiver pads them back with zero codes. Stage 3's chunks are often smaller than one block, where the
-padding would otherwise cost more than the codes. A piece's scales and codes travel packed in one row of
+padding would otherwise cost more than the codes. On CUDA with Triton, quant/triton_blocks.py's fused kernels
+produce and consume this same format ([Note: fused quantize kernels]): the functions below are their
+definition and the CPU path. A piece's scales and codes travel packed in one row of
 bytes, so each quantized collective is one exchange. The ``start_*`` forms are asynchronous: they launch
 the exchanges and return a :class:`QuantizedWork` whose ``wait`` dequantizes (and sums) once they are in,
 as the exact collectives' work handles let stage 3 overlap its gathers and reductions.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.quant import triton_blocks as fused
 from lightning_zero.quant.blocks import Q_MAX, _unpack_int4, quantize
 
 
@@ -72,7 +75,14 @@ class QuantizedWork:
 def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
-    both. Flat, ``n x quantized_nbytes(numel, ...)``."""
+    both. Flat, ``n x quantized_nbytes(numel, ...)``. On CUDA, the fused kernel (equal bytes)."""
+    if fused.fused_applies(rows, block):
+        return fused.quantize_rows(rows, bits, block)
+    return _quantize_rows_eager(rows, bits, block)
+
+
+def _quantize_rows_eager(rows: Tensor, bits: int, block: int) -> Tensor:
+    """:func:`_quantize_rows` in pure torch: the definition, and the path off CUDA."""
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
@@ -111,17 +121,21 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
     work = C.all_gather(every, mine, group, async_op=True)
 
     def finish() -> None:
-        out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
+        if fused.fused_applies(out, block) and out.is_contiguous():  # straight into out, in its dtype
+            fused.dequantize_rows_into(out, every, n, numel, bits, block)
+        else:
+            out.view(n, numel).copy_(_dequantize_rows(every, n, numel, bits, block))
         return None
 
     return QuantizedWork([work], finish, ((n - 1) * mine.numel(),))
 
 
 def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
-                         block: int = 2048) -> QuantizedWork:
+                         block: int = 2048, divisor: int = 1) -> QuantizedWork:
     """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
     all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
-    ranks in ``result``, fp32, summed from the dequantized contributions in rank order."""
+    ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
+    ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA)."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
@@ -132,7 +146,10 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
     work = C.all_to_all(received, packed, group, async_op=True)
 
     def finish() -> Tensor:
-        return _dequantize_rows(received, n, m, bits, block).sum(0)
+        if fused.fused_applies(received, block):  # one pass: dequantized and summed in fp32, rank order
+            return fused.dequantize_sum(received, n, m, bits, block, divisor)
+        total = _dequantize_rows(received, n, m, bits, block).sum(0)
+        return total.div_(divisor) if divisor != 1 else total
 
     return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
 
@@ -142,9 +159,10 @@ class TwoLevelWork(QuantizedWork):
     :meth:`advance` (or ``wait``), which needs the inner sums."""
 
     def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
-                 levels: tuple[int, ...]) -> None:
+                 levels: tuple[int, ...], divisor: int = 1) -> None:
         super().__init__([], self._finish_both, levels)
         self._first, self._outer, self._bits, self._block = first, outer, bits, block
+        self._divisor = divisor
         self._second: Optional[QuantizedWork] = None
 
     def advance(self) -> None:
@@ -152,7 +170,8 @@ class TwoLevelWork(QuantizedWork):
         it must advance its works in the same order (the launch order)."""
         if self._second is None:
             self._first.wait()
-            self._second = start_reduce_scatter(self._first.result, self._outer, self._bits, self._block)  # type: ignore[arg-type]
+            inner_sums: Tensor = self._first.result  # type: ignore[assignment]
+            self._second = start_reduce_scatter(inner_sums, self._outer, self._bits, self._block, self._divisor)
 
     def _finish_both(self) -> Optional[Tensor]:
         self.advance()
@@ -162,12 +181,13 @@ class TwoLevelWork(QuantizedWork):
 
 
 def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
-                                      bits: int = 8, block: int = 2048) -> TwoLevelWork:
+                                      bits: int = 8, block: int = 2048, divisor: int = 1) -> TwoLevelWork:
     """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
     ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
     the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
     re-quantized and exchanged across nodes. ``result`` (fp32) is this rank's chunk ``node * h + local`` of
-    the sum, as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
+    the sum (divided by ``divisor`` at the outer level), as :func:`start_reduce_scatter` over all ``n``
+    would give. The outer level starts in
     ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
     every rank."""
     h, k = C.world_size(inner), C.world_size(outer)
@@ -177,7 +197,8 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     m = flat.numel() // (h * k)
     arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
     first = start_reduce_scatter(arranged, inner, bits, block)
-    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)))
+    return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
+                        divisor)
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:

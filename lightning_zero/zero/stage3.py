@@ -412,10 +412,10 @@ class Stage3Engine(Stage2Engine):
         if not self.zpp.quantizes_gradients or comm.size == 1:
             self.zpp.count_exact_reduce(fg.layout.buckets[bi].chunk, bucket.element_size(), comm.size)
             return super()._reduce_scatter_into_shard(gi, bi, bucket, after)
-        work = self.zpp.start_reduce_scatter(bucket, comm.group)
+        work = self.zpp.start_reduce_scatter(bucket, comm.group, self.dp_size)
 
         def finalize() -> None:
-            fg.add_to_grad_shard(bi, work.result.div_(self.dp_size))  # type: ignore[union-attr]  # fp32 sum
+            fg.add_to_grad_shard(bi, work.result)  # type: ignore[arg-type]  # fp32 sum / dp_size
             if after is not None:
                 after()
 

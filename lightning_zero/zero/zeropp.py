@@ -132,20 +132,22 @@ class ZeroPP:
     def quantizes_gradients(self) -> bool:
         return self.grad_bits is not None
 
-    def start_reduce_scatter(self, bucket: Tensor, group: Optional[C.ProcessGroup]) -> Q.QuantizedWork:
+    def start_reduce_scatter(self, bucket: Tensor, group: Optional[C.ProcessGroup],
+                             divisor: int = 1) -> Q.QuantizedWork:
         """qgZ: launch the quantized reduce-scatter of ``bucket`` over ``group`` (two levels under hpZ);
-        ``result`` (fp32, this rank's chunk of the sum) once waited."""
+        ``result`` (fp32, this rank's chunk of the sum divided by ``divisor``: on CUDA in the same kernel)
+        once waited."""
         assert self.grad_bits is not None
         if self.hpz is not None:
             for earlier in self._two_level:  # their cross-node level overlaps the rest of backward
                 earlier.advance()
             work = Q.start_reduce_scatter_hierarchical(bucket, self.hpz.grad_group, self.hpz.cross_group,
-                                                       self.grad_bits, self.block)
+                                                       self.grad_bits, self.block, divisor)
             self._two_level = [work]
             self.traffic.add("grad_reduce_node", work.levels[0])
             self.traffic.add("grad_reduce_cross", work.levels[1])
             return work
-        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block)
+        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block, divisor)
         self.traffic.add("grad_reduce", work.nbytes)
         return work
 

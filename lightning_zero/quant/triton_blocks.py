@@ -1,0 +1,229 @@
+"""Fused Triton kernels for the wire format of ZeRO++'s quantized collectives (comm/quantized.py): quantize
+rows into packed bytes, dequantize packed rows straight into the destination, dequantize-and-sum for qgZ.
+
+[Note: fused quantize kernels]
+The eager path (quant/blocks.py and comm/quantized.py's ``_quantize_rows``/``_dequantize_rows``) is the
+definition and the CPU path; on NVLink it cost more than the bytes it saved (issue #33: qwZ + qgZ at 0.63x
+zero3's step time), because each piece made a dozen full passes with temporaries: padding copies, the
+scales' norm, a division, rounding, clamping, int8 and int4 packing via int16, the packing copies into the
+wire row, then on receive zero-filled codes, unpacking via int16 and ``stack``, an fp32 product and a copy
+into the bf16 buffer. Here each is one kernel, one program per (row, block):
+
+* ``quantize_rows``: reads the block once (masked past the row's real elements instead of padding), takes
+  ``max |x|``, writes the fp32 scale's four bytes and the codes (int4 nibbles packed in registers) straight
+  into the wire row. The row's bytes are not 4-byte aligned (``nb * 4 + code bytes``), hence byte stores.
+* ``dequantize_rows_into``: reads a row's scale and codes and writes ``code * scale`` in the destination's
+  dtype (bf16 under bf16-mixed) into the gathered buffer: no fp32 temporary, no zero-filled padding.
+* ``dequantize_sum``: qgZ's receive side: the ``n`` received rows dequantized and summed in fp32 in one
+  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out.
+
+The arithmetic is the eager definition's, operation for operation, so codes, scales and values equal the
+eager reference's bit for bit: the scale is ``max |x| / q_max`` and the code ``rint(x / scale)`` with
+correctly rounded divisions (``div_rn``: Triton's ``/`` is an approximate division on CUDA), rounding
+half to even (as ``torch.round``), and contraction of a product and a sum into one FMA disabled
+(``enable_fp_fusion=False``: eager rounds the product before adding). A block holding a NaN gets a NaN
+scale (as ``vector_norm`` propagates it), so a non-finite gradient stays non-finite for the loss scaler's
+check; the codes of such a block are not defined (the eager cast of NaN to int8 is not either).
+Blocks must be a power of two (``tl.arange``); other sizes take the eager path (``fused_applies``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_zero.optim.triton_adam import tl, triton, triton_available
+
+_MAX_BLOCK = 1 << 16
+"""Largest quantization block one program holds in registers; larger blocks take the eager path."""
+
+
+def fused_applies(t: Tensor, block: int) -> bool:
+    """Whether the fused kernels serve ``t``: a CUDA tensor, Triton present, a power-of-two block."""
+    return t.is_cuda and triton_available() and block & (block - 1) == 0 and 2 <= block <= _MAX_BLOCK
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4 if block >= 512 else 1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rint(y):
+        """Round half to even (``torch.round``) from ``floor`` and exact comparisons, for ``|y| < 2**22``
+        (codes: ``|y| <= q_max`` up to one rounding); plain ops, so Triton's interpreter runs it too."""
+        f = tl.floor(y)
+        d = y - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+        return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, Q_MAX: tl.constexpr, BITS: tl.constexpr,
+                         BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        x_row = x_ptr + row * numel
+        out_row = out_ptr + row * row_bytes
+        start = b * BLOCK
+        if BITS == 8:
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < numel
+            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            absmax = tl.max(tl.abs(x), axis=0)
+            nan = tl.max((x != x).to(tl.int32), axis=0)
+        else:
+            half = tl.arange(0, BLOCK // 2)
+            offs = start + 2 * half
+            mask = offs < numel
+            lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(x_row + offs + 1, mask=offs + 1 < numel, other=0.0).to(tl.float32)
+            absmax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
+            nan = tl.maximum(tl.max((lo != lo).to(tl.int32), axis=0), tl.max((hi != hi).to(tl.int32), axis=0))
+        scale = tl.math.div_rn(absmax, tl.full((), Q_MAX, tl.float32))
+        scale = tl.where(nan > 0, float("nan"), scale)
+        safe = tl.where(scale > 0, scale, 1.0)
+        # the scale's four bytes, little-endian (the eager path's ``scales.view(torch.uint8)``)
+        k = tl.arange(0, 4)
+        sbits = scale.to(tl.int32, bitcast=True)
+        tl.store(out_row + b * 4 + k, ((sbits >> (8 * k)) & 0xFF).to(tl.uint8))
+        codes = out_row + nb * 4
+        if BITS == 8:
+            q = _rint(tl.math.div_rn(x, safe))
+            q = tl.minimum(tl.maximum(q, -Q_MAX), Q_MAX)
+            q = tl.where(q == q, q, 0.0).to(tl.int32)
+            tl.store(codes + offs, (q & 0xFF).to(tl.uint8), mask=mask)
+        else:
+            ql = _rint(tl.math.div_rn(lo, safe))
+            qh = _rint(tl.math.div_rn(hi, safe))
+            ql = tl.where(ql == ql, tl.minimum(tl.maximum(ql, -Q_MAX), Q_MAX), 0.0).to(tl.int32)
+            qh = tl.where(qh == qh, tl.minimum(tl.maximum(qh, -Q_MAX), Q_MAX), 0.0).to(tl.int32)
+            byte = (ql & 0xF) | ((qh & 0xF) << 4)
+            tl.store(codes + start // 2 + half, byte.to(tl.uint8), mask=mask)
+
+    @triton.jit
+    def _load_block(row_ptr, b, numel, nb, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """A block's scale and its codes as fp32 values ``code * scale`` (``lo``/``hi``: even/odd elements
+        under int4; under int8 both are the same tensor), with the element offsets and masks."""
+        k = tl.arange(0, 4)
+        sb = tl.load(row_ptr + b * 4 + k).to(tl.int32)
+        scale = tl.sum(sb << (8 * k), axis=0).to(tl.float32, bitcast=True)  # disjoint bytes: sum == or
+        start = b * BLOCK
+        codes = row_ptr + nb * 4
+        if BITS == 8:
+            o0 = start + tl.arange(0, BLOCK)
+            m0 = o0 < numel
+            c = tl.load(codes + o0, mask=m0, other=0).to(tl.int8, bitcast=True)
+            v0 = c.to(tl.float32) * scale
+            v1, o1, m1 = v0, o0, m0
+        else:
+            half = tl.arange(0, BLOCK // 2)
+            o0 = start + 2 * half
+            m0 = o0 < numel
+            byte = tl.load(codes + start // 2 + half, mask=m0, other=0).to(tl.int32)
+            lo = byte & 0xF
+            hi = byte >> 4
+            lo = tl.where(lo > 7, lo - 16, lo)  # two's-complement nibbles
+            hi = tl.where(hi > 7, hi - 16, hi)
+            v0 = lo.to(tl.float32) * scale
+            v1 = hi.to(tl.float32) * scale
+            o1 = o0 + 1
+            m1 = o1 < numel
+        return v0, o0, m0, v1, o1, m1
+
+    @triton.jit
+    def _dequantize_kernel(packed_ptr, out_ptr, numel, row_bytes, nb, BITS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        v0, o0, m0, v1, o1, m1 = _load_block(packed_ptr + row * row_bytes, b, numel, nb, BITS, BLOCK)
+        out_row = out_ptr + row * numel
+        tl.store(out_row + o0, v0.to(out_ptr.dtype.element_ty), mask=m0)
+        if BITS == 4:
+            tl.store(out_row + o1, v1.to(out_ptr.dtype.element_ty), mask=m1)
+
+    @triton.jit
+    def _dequantize_sum_kernel(packed_ptr, out_ptr, n, numel, row_bytes, nb, inv, BITS: tl.constexpr,
+                               BLOCK: tl.constexpr):  # fmt: skip
+        b = tl.program_id(0).to(tl.int64)
+        HALF: tl.constexpr = BLOCK if BITS == 8 else BLOCK // 2
+        acc0 = tl.zeros((HALF,), tl.float32)
+        acc1 = tl.zeros((HALF,), tl.float32)
+        start = b * BLOCK
+        if BITS == 8:
+            o0 = start + tl.arange(0, BLOCK)
+        else:
+            o0 = start + 2 * tl.arange(0, BLOCK // 2)
+        o1 = o0 + 1
+        m0 = o0 < numel
+        m1 = o1 < numel
+        row_ptr = packed_ptr
+        for _ in range(0, n):
+            v0, _o0, _m0, v1, _o1, _m1 = _load_block(row_ptr, b, numel, nb, BITS, BLOCK)
+            acc0 += v0
+            acc1 += v1
+            row_ptr += row_bytes
+        tl.store(out_ptr + o0, acc0 * inv, mask=m0)
+        if BITS == 4:
+            tl.store(out_ptr + o1, acc1 * inv, mask=m1)
+
+
+def _code_bytes(numel: int, bits: int) -> int:
+    return numel if bits == 8 else (numel + 1) // 2
+
+
+def _check(bits: int, block: int) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if bits not in (8, 4) or block & (block - 1) or not 2 <= block <= _MAX_BLOCK:
+        raise ValueError(f"fused kernels take bits 8 or 4 and a power-of-two block, got {bits}, {block}")
+
+
+def quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+    """comm/quantized.py's ``_quantize_rows`` in one kernel: each row of ``rows`` ([n, numel], any float
+    dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8."""
+    _check(bits, block)
+    rows = rows.detach()
+    if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        rows = rows.float()
+    rows = rows.contiguous()
+    n, numel = rows.shape
+    nb = math.ceil(numel / block)
+    row_bytes = nb * 4 + _code_bytes(numel, bits)
+    packed = torch.empty(n * row_bytes, dtype=torch.uint8, device=rows.device)
+    if n and numel:
+        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, Q_MAX=127 if bits == 8 else 7, BITS=bits,
+                                  BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+    return packed
+
+
+def dequantize_rows_into(out: Tensor, packed: Tensor, n: int, numel: int, bits: int, block: int) -> Tensor:
+    """``_dequantize_rows`` written straight into ``out`` (contiguous, ``n * numel`` elements, its own dtype:
+    each value rounded once from the fp32 product, as the eager copy into it rounds)."""
+    _check(bits, block)
+    if not out.is_contiguous() or out.numel() != n * numel:
+        raise ValueError("out must be contiguous with n * numel elements")
+    nb = math.ceil(numel / block)
+    row_bytes = nb * 4 + _code_bytes(numel, bits)
+    if n and numel:
+        _dequantize_kernel[(n, nb)](packed, out, numel, row_bytes, nb, BITS=bits, BLOCK=block,
+                                    num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+    return out
+
+
+def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1) -> Tensor:
+    """``_dequantize_rows(...).sum(0).div_(divisor)`` in one kernel: fp32 ``[numel]``, rows added in order
+    from 0, then multiplied by the fp32 reciprocal of ``divisor``, as CUDA's ``div_`` by a number does (one
+    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing)."""
+    _check(bits, block)
+    nb = math.ceil(numel / block)
+    row_bytes = nb * 4 + _code_bytes(numel, bits)
+    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if numel:
+        _dequantize_sum_kernel[(nb,)](packed, out, n, numel, row_bytes, nb, 1.0 / divisor, BITS=bits, BLOCK=block,
+                                      num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+    return out
+
+
+__all__ = ["dequantize_rows_into", "dequantize_sum", "fused_applies", "quantize_rows", "triton_available"]
