@@ -8,7 +8,8 @@ compile the casts cost more than the GEMM saves). We use it as it is, an optiona
 (``pip install 'lightning_zero[fp8]'``); nothing of the fp8 math is our own. Ours is only the glue: which
 Linears (config/fp8.py: a name filter, the first and last kept in bf16), the refusals that would otherwise
 surface as a cryptic error mid-step (no fp8 on the GPU, dims not divisible by 16, a precision that is not
-bf16-mixed, a Linear quantized already), the log of what was converted, and the place in the setup.
+bf16-mixed, a Linear quantized already; at the forward, a training micro-batch whose token count is not a
+multiple of 16: [Note: float8 weight gradients need rows in sixteens]), the log of what was converted, and the place in the setup.
 
 Why it composes with ZeRO without more code: ``Float8Linear.from_float`` keeps the Linear's own ``weight``
 and ``bias`` Parameters (the same objects, so the same values and the same state-dict names: checkpoints of
@@ -148,8 +149,43 @@ def convert(module: nn.Module, config: Fp8Config, device: torch.device, precisio
         for name, m in module.named_modules():
             if name in todo:
                 setattr(m, MARK, p.recipe)
+                if not p.emulate and name in fresh:  # [Note: float8 weight gradients need rows in sixteens]
+                    m.register_forward_pre_hook(_rows_guard(name))
         info(p.message())
     return p
+
+
+# [Note: float8 weight gradients need rows in sixteens]
+# ``torch._scaled_mm`` needs mat1's inner dim and both of mat2's dims divisible by 16. The forward
+# (x @ w.T) and the input gradient (dy @ w) only ever have the Linear's own dims there (checked in
+# ``plan``), but the weight gradient (dy.T @ x) contracts over the rows of x, the tokens of this
+# micro-batch: any count not a multiple of 16 (a sequence length of 77, a collator padding to the longest
+# sample) fails inside backward with a GEMM shape error, possibly many steps in (torchao pads only with
+# ``pad_inner_dim``, off by default: it copies both operands of every GEMM). A forward pre-hook on each
+# real (not emulated) float8 Linear that backward will run through says so before the forward instead,
+# naming the Linear and what to do. torchao's backward computes the weight gradient whenever it runs, so
+# a frozen Linear (a LoRA base) that an earlier trainable layer's gradient flows through needs it too.
+# Emulation multiplies in fp32 (no such constraint) and gets no hook.
+ROWS_MULTIPLE = 16
+"""Rows (tokens) per micro-batch a real float8 Linear's weight-gradient GEMM needs a multiple of."""
+
+
+def _rows_guard(name: str) -> Callable[[nn.Module, tuple], None]:
+    """A forward pre-hook refusing a training micro-batch whose row count the weight-gradient GEMM cannot take."""
+
+    def check(module: nn.Module, args: tuple) -> None:
+        x = args[0] if args else None
+        if not (torch.is_tensor(x) and x.dim() and torch.is_grad_enabled()
+                and (x.requires_grad or module.weight.requires_grad)):
+            return  # no backward through this Linear
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows % ROWS_MULTIPLE:
+            raise ValueError(f"fp8: Linear {name!r} got {rows} rows (tokens) in this training micro-batch; float8 "
+                             f"weight gradients need a multiple of {ROWS_MULTIPLE} (torch._scaled_mm): pad batches "
+                             f"to a multiple of {ROWS_MULTIPLE} tokens (e.g. the collator's pad_to_multiple_of="
+                             f"{ROWS_MULTIPLE}) or keep this Linear in bf16 with fp8_filter=[...].")
+
+    return check
 
 
 def _plain_weight(w: torch.Tensor) -> bool:

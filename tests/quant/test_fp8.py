@@ -250,6 +250,26 @@ def test_a_gpu_without_fp8_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     fp8.check_device(torch.device("cuda", 0), emulate=True)  # emulated: any device
 
 
+def test_real_float8_refuses_a_training_row_count_its_weight_gradient_cannot_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: float8 weight gradients need rows in sixteens]: the weight-gradient GEMM contracts over the
+    micro-batch's rows, so a row count that is not a multiple of 16 is refused at the forward (naming the
+    Linear), also for a frozen Linear that backward runs through; emulation has no such limit and no check."""
+    monkeypatch.setattr(fp8, "check_device", lambda device, emulate: None)  # real float8 on this CPU, as on a GPU
+    net = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
+    fp8.convert(net, Fp8Config(fp8="tensorwise"), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
+    x = torch.randn(3, 4, 32, dtype=torch.bfloat16)  # 12 rows (tokens)
+    with pytest.raises(ValueError, match=r"Linear '1' got 12 rows .*multiple of 16.*pad_to_multiple_of=16"):
+        net(x)
+    net[1].weight.requires_grad_(False)  # frozen (a LoRA base) with a gradient flowing through it
+    with pytest.raises(ValueError, match="Linear '1' got 12 rows"):
+        net[1](x.requires_grad_())
+    emulated = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
+    fp8.convert(emulated, _cfg(), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
+    assert emulated(x).shape == (3, 4, 32)  # emulated: fp32 matmuls take any row count
+
+
 def test_hydra_override_and_the_trainer_front_door(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """``strategy.fp8=...`` composes into the strategy; under the Trainer the model is converted at setup, trains,
     and a validate after fit (Lightning sets the strategy up again) keeps the same Float8Linears."""
