@@ -9,7 +9,8 @@ compile the casts cost more than the GEMM saves). We use it as it is, an optiona
 Linears (config/fp8.py: a name filter, the first and last kept in bf16), the refusals that would otherwise
 surface as a cryptic error mid-step (no fp8 on the GPU, dims not divisible by 16, a precision that is not
 bf16-mixed, a Linear quantized already; at the forward, a training micro-batch whose token count is not a
-multiple of 16: [Note: float8 weight gradients need rows in sixteens]), the log of what was converted, and the place in the setup.
+multiple of 16: [Note: float8 weight gradients need rows in sixteens]), the log of what was converted, and
+the place in the setup.
 
 Why it composes with ZeRO without more code: ``Float8Linear.from_float`` keeps the Linear's own ``weight``
 and ``bias`` Parameters (the same objects, so the same values and the same state-dict names: checkpoints of
