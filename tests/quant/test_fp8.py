@@ -262,9 +262,12 @@ def test_real_float8_refuses_a_training_row_count_its_weight_gradient_cannot_tak
     x = torch.randn(3, 4, 32, dtype=torch.bfloat16)  # 12 rows (tokens)
     with pytest.raises(ValueError, match=r"Linear '1' got 12 rows .*multiple of 16.*pad_to_multiple_of=16"):
         net(x)
-    net[1].weight.requires_grad_(False)  # frozen (a LoRA base) with a gradient flowing through it
+    with torch.no_grad():
+        assert net(x).shape == (3, 4, 32)  # no backward (validation, generation): any row count
+    net[1].weight.requires_grad_(False)  # frozen (a LoRA base) ...
+    assert net[1](x).shape == (3, 4, 32)  # ... with nothing to differentiate: no backward through it
     with pytest.raises(ValueError, match="Linear '1' got 12 rows"):
-        net[1](x.requires_grad_())
+        net[1](x.clone().requires_grad_())  # ... with a gradient flowing through it
     emulated = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
     fp8.convert(emulated, _cfg(), torch.device("cpu"), "bf16-mixed", info=lambda m: None)
     assert emulated(x).shape == (3, 4, 32)  # emulated: fp32 matmuls take any row count
