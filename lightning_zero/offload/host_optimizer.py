@@ -42,6 +42,7 @@ from lightning_zero.offload.pinned import HostPool
 from lightning_zero.offload.swap_state import NvmeOptimizerStore
 from lightning_zero.offload.upload import Uploads
 from lightning_zero.optim import host_states
+from lightning_zero.optim.step_hooks import refuse_step_hooks
 from lightning_zero.zero.unused import GroupPlan
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class HostOptimizer:
         dpu = o.delayed_param_update
         self.hypers_ok = all(adam_hyper(optimizer, pg) is not None for pg in optimizer.param_groups)
         """Every param group is Adam/AdamW: the compiled CPU Adam runs (else the optimizer's own step)."""
+        if self.hypers_ok:  # the compiled CPU Adam steps, not optimizer.step(): optim/step_hooks.py
+            refuse_step_hooks(optimizer, f"offload_optimizer={offload.offload_optimizer!r}")
         ratio = o.offload_ratio
         if ratio != 1.0 and not self.hypers_ok:
             raise ValueError(

@@ -50,6 +50,7 @@ from torch import Tensor
 from lightning_zero.config.state_precision import StatePrecisionConfig
 from lightning_zero.offload.cpu import AdamHyper, adam_hyper
 from lightning_zero.optim.bf16_step import bf16_adam_step
+from lightning_zero.optim.step_hooks import refuse_step_hooks
 from lightning_zero.zero.unused import GroupPlan
 
 BYTES_PER_PARAM = {"fp32": 12, "bf16_sr": 6, "bf16_kahan": 8}
@@ -73,6 +74,7 @@ class DeviceStates16:
         self.grad_dtype = torch.bfloat16 if cfg.grad_shard_precision == "bf16" else torch.float32
         """dtype of the reduced-gradient shards (``grad_shard_precision``)."""
         name = type(optimizer).__name__
+        refuse_step_hooks(optimizer, f"state_precision={self.precision!r}")  # [Note: step hooks and steps torch never takes]
         if not all(adam_hyper(optimizer, pg) is not None for pg in optimizer.param_groups):
             raise ValueError(f"state_precision={self.precision!r} steps Adam/AdamW only (torch.optim.Adam/AdamW, "
                              f"without amsgrad/maximize/capturable/differentiable); got {name}: use "
