@@ -28,15 +28,12 @@ tests check it without a GPU when Triton is installed.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_zero.optim.triton_adam import tl, triton, triton_available
-
-if TYPE_CHECKING:
-    from lightning_zero.inference.quant import QuantLinear
 
 MAX_ROWS = 16
 """Largest batch (rows of ``x``) the kernel takes: decode sizes; larger ones (the prompt) take the reference."""
@@ -127,7 +124,7 @@ if triton is not None:
         return y
 
 
-def triton_weight_only(x: Tensor, layer: "QuantLinear") -> Optional[Tensor]:
+def triton_weight_only(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     """The kernel seam's entry (quant.py [Note: the kernel seam]): ``layer(x)`` through the Triton kernel, or
     None (the next kernel or the reference runs) without Triton, off CUDA (unless interpreted), for more
     than :data:`MAX_ROWS` rows, another dtype or a group size the kernel does not take, or where autograd
