@@ -16,24 +16,10 @@ from torch._dynamo.utils import counters
 from lightning_zero.config.decode import DecodeConfig
 from lightning_zero.inference import generate, quantize_linears
 from lightning_zero.inference.compiled import CompiledDecoder
-from tests.inference.predict_runs import VOCAB, build, hf_generate
-from tests.inference.test_generate import OwnAttention
+from tests.inference.predict_runs import build, hf_generate
+from tests.inference.test_generate import OwnAttention, gpt, llama, prompts  # noqa: F401 - fixtures shared
 
 TRACE = DecodeConfig(backend="eager", fullgraph=True)
-
-
-@pytest.fixture(scope="module")
-def gpt() -> nn.Module:
-    return build("gpt")
-
-
-@pytest.fixture(scope="module")
-def llama() -> nn.Module:
-    return build("llama")
-
-
-def prompts(batch: int = 3, length: int = 6) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(5))
 
 
 def test_gpt_inductor_equals_uncompiled_and_compiles_once(gpt: nn.Module) -> None:
