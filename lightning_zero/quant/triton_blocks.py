@@ -15,7 +15,9 @@ into the bf16 buffer. Here each is one kernel, one program per (row, block):
 * ``dequantize_rows_into``: reads a row's scale and codes and writes ``code * scale`` in the destination's
   dtype (bf16 under bf16-mixed) into the gathered buffer: no fp32 temporary, no zero-filled padding.
 * ``dequantize_sum``: qgZ's receive side: the ``n`` received rows dequantized and summed in fp32 in one
-  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out.
+  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out,
+  written (or, accumulating gradients, added) straight into the fp32 gradient shard's chunk
+  (comm/quantized.py [Note: qgZ into the gradient shard]).
 
 The arithmetic is the eager definition's, operation for operation, so codes, scales and values equal the
 eager reference's bit for bit: the scale is ``max |x| / q_max`` and the code ``rint(x / scale)`` with
@@ -30,6 +32,7 @@ Blocks must be a power of two (``tl.arange``); other sizes take the eager path (
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -145,7 +148,7 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_sum_kernel(packed_ptr, out_ptr, n, numel, row_bytes, nb, inv, BITS: tl.constexpr,
-                               BLOCK: tl.constexpr):  # fmt: skip
+                               BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         HALF: tl.constexpr = BLOCK if BITS == 8 else BLOCK // 2
         acc0 = tl.zeros((HALF,), tl.float32)
@@ -164,9 +167,15 @@ if triton is not None:
             acc0 += v0
             acc1 += v1
             row_ptr += row_bytes
-        tl.store(out_ptr + o0, acc0 * inv, mask=m0)
+        r0 = acc0 * inv
+        r1 = acc1 * inv
+        if ACCUMULATE:  # gradient accumulation: ``shard + mean``, the product rounded first (no FMA)
+            r0 = tl.load(out_ptr + o0, mask=m0, other=0.0) + r0
+            if BITS == 4:
+                r1 = tl.load(out_ptr + o1, mask=m1, other=0.0) + r1
+        tl.store(out_ptr + o0, r0, mask=m0)
         if BITS == 4:
-            tl.store(out_ptr + o1, acc1 * inv, mask=m1)
+            tl.store(out_ptr + o1, r1, mask=m1)
 
 
 def _code_bytes(numel: int, bits: int) -> int:
@@ -212,17 +221,27 @@ def dequantize_rows_into(out: Tensor, packed: Tensor, n: int, numel: int, bits: 
     return out
 
 
-def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1) -> Tensor:
+def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1,
+                   out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """``_dequantize_rows(...).sum(0).div_(divisor)`` in one kernel: fp32 ``[numel]``, rows added in order
     from 0, then multiplied by the fp32 reciprocal of ``divisor``, as CUDA's ``div_`` by a number does (one
-    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing)."""
+    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing). With ``out`` (fp32,
+    contiguous, ``numel`` elements: a chunk of the fp32 gradient shard) the result is written there instead
+    of into a new tensor, or with ``accumulate`` added to what ``out`` holds (``out.add_(result)``, bit for
+    bit): [Note: qgZ into the gradient shard]."""
     _check(bits, block)
     nb = math.ceil(numel / block)
     row_bytes = nb * 4 + _code_bytes(numel, bits)
-    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
+        raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements")
     if numel:
         _dequantize_sum_kernel[(nb,)](packed, out, n, numel, row_bytes, nb, 1.0 / divisor, BITS=bits, BLOCK=block,
-                                      num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+                                      ACCUMULATE=accumulate, num_warps=_warps(block),
+                                      enable_fp_fusion=False)  # fmt: skip
     return out
 
 

@@ -6,7 +6,7 @@ CUDA tensors and the eager reference on CPU copies (the definition: on CUDA, eag
 multiply by a rounded reciprocal, which can differ by one ulp); everything must be equal: the packed wire
 bytes (scales and codes, int8 and int4, exact ties ``k + 1/2`` rounding to even included), the dequantized
 rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows (and its
-division by the data-parallel size). Without a GPU, when Triton is installed, the same comparison runs in
+division by the data-parallel size), also written into, then added to, a chunk of an fp32 gradient shard. Without a GPU, when Triton is installed, the same comparison runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), where everything is compared bit for bit but
 the dequantized rows are written in fp32 only: the interpreter's fp32 to bf16 conversion neither rounds to
 nearest even nor carries a rounded-up mantissa into the exponent (CUDA's does both), so only the GPU test
@@ -91,6 +91,20 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
             mean = fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=3).cpu()
             if not _same(mean, want_sum * torch.tensor(1 / 3, dtype=torch.float32)):
                 bad.append(f"{where}: the sum divided by 3 differs")
+        # written into the fp32 gradient shard's chunk (an odd offset), then added to it (accumulation): as
+        # the eager copy_ / add_ of the mean ([Note: qgZ into the gradient shard]), nothing else touched
+        divisor = 3 if n == 3 else 1
+        mean = want_sum * torch.tensor(1 / 3, dtype=torch.float32) if divisor == 3 else want_sum
+        shard = torch.full((numel + 9,), 7.0, device=device)
+        chunk = shard[5 : 5 + numel]
+        fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk)
+        into = shard.cpu()
+        fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk, accumulate=True)
+        added = shard.cpu()
+        frame = torch.full((numel + 9,), 7.0)
+        if not (_same(into[5 : 5 + numel], mean) and _same(added[5 : 5 + numel], mean + mean)
+                and torch.equal(into[:5], frame[:5]) and torch.equal(added[5 + numel :], frame[5 + numel :])):
+            bad.append(f"{where}: the sum written or added into the shard differs")
         if case == "special" and numel > block and not bool(total[block : 2 * block].isnan().all()):
             bad.append(f"{where}: a NaN block's values are not all NaN")
     return bad
@@ -117,6 +131,12 @@ def test_collectives_take_the_fused_path_on_cuda() -> None:
         r_cuda, _ = quantized.reduce_scatter(x.float().cuda(), None, bits=bits, block=2048)
         r_cpu, _ = quantized.reduce_scatter(x.float(), None, bits=bits, block=2048)
         assert _same(r_cuda.cpu(), r_cpu)
+        shard = torch.zeros(x.numel() + 3, device="cuda")  # qgZ into the gradient shard: copied, then added
+        for accumulate in (False, True):
+            work = quantized.start_reduce_scatter(x.float().cuda(), None, bits, 2048,
+                                                  into=lambda a=accumulate: (shard[3:], a))
+            work.wait()
+        assert _same(shard[3:].cpu(), r_cpu + r_cpu) and not bool(shard[:3].any())
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
