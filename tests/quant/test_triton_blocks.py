@@ -98,7 +98,7 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
         shard = torch.full((numel + 9,), 7.0, device=device)
         chunk = shard[5 : 5 + numel]
         fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk)
-        into = shard.cpu()
+        into = shard.cpu().clone()  # (on CPU, .cpu() is the same tensor)
         fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk, accumulate=True)
         added = shard.cpu()
         frame = torch.full((numel + 9,), 7.0)
