@@ -28,14 +28,15 @@ as the exact collectives' work handles let stage 3 overlap its gathers and reduc
 [Note: qgZ into the gradient shard]
 A reduce-scatter's sum is, in stage 3, bound for a chunk of the fp32 gradient shard: copied there by the
 first backward after a step, added there by the others (gradient accumulation). Returning a fresh fp32
-tensor for the engine to copy costs a full write, read and write of every shard element per step
-(~2 ms of GPT-xl's 146 ms step on one H200: issue #33). So the reductions take ``into``, called when
-they finish, which names the destination chunk and whether to add to it (flat_group.py
-``grad_chunk_to_write``); :func:`dequantize_sum` writes the mean there (``torch.sum(..., out=)``, then
-``div_`` in place, eager; one kernel on CUDA), or adds it (eager: the mean, then ``add_``; the kernel: load,
-add, store). Every value is the one the two steps produced, bit for bit: the same sum in the same order
-and the same division or reciprocal product, rounded once to fp32, then copied or added
-(tests/quant/test_qgz_direct.py). A destination that is not contiguous fp32 gets the two steps.
+tensor for the engine to copy cost one more read and write of every shard element per backward (estimated
+~2 ms of GPT-xl's ~146 ms step on one H200, issue #33). So the reductions take ``into``, called when they
+finish, which names the destination chunk and whether to add to it (flat_group.py ``grad_chunk_to_write``);
+:func:`dequantize_sum` writes the mean there (one kernel on CUDA; on CPU ``torch.sum(..., out=)``, then
+``div_`` in place), or adds it (the kernel: load, add, store; eager: the mean, then ``add_``). Every value
+is the one the two steps produced, bit for bit: the same sum in the same order and the same division or
+reciprocal product, rounded once to fp32, then copied or added (tests/quant/test_qgz_direct.py). A
+destination that is not contiguous fp32 (``grad_shard_precision="bf16"``), and the eager path on CUDA
+(a block that is not a power of two), get the two steps.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def dequantize_sum(received: Tensor, n: int, numel: int, bits: int, block: int, 
         total = fused.dequantize_sum(received, n, numel, bits, block, divisor)
     else:
         rows = _dequantize_rows(received, n, numel, bits, block)
-        if direct and not accumulate:
+        if direct and not accumulate and not received.is_cuda:  # CUDA's reduction may tile by out's alignment
             total = torch.sum(rows, 0, out=out)  # type: ignore[arg-type]
             return total.div_(divisor) if divisor != 1 else total
         total = rows.sum(0)
