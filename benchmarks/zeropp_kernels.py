@@ -10,7 +10,9 @@ buffer; qgZ's quantize of a 50M-element fp32 bucket as 2 rows (int4) and the deq
 A second table times qgZ's last step as stage 3 runs it, into a chunk of the fp32 gradient shard (divided
 by the data-parallel size): the two steps it used to take (the fp32 mean into a new tensor, then copied
 into the shard, or added to it under gradient accumulation) against the mean written (or added) straight
-into the shard (comm/quantized.py [Note: qgZ into the gradient shard]), fused and eager.
+into the shard (comm/quantized.py [Note: qgZ into the gradient shard]), fused and eager; and hpZ's
+two-level qgZ quantizing a bucket in its cross-node order: copied into it first, or read in place
+(quant/triton_blocks.py [Note: no arranged copy]).
 """
 
 from __future__ import annotations
@@ -82,8 +84,11 @@ def main() -> None:
          lambda: chunk.add_(fused.dequantize_sum(q4, n, m, 4, block, n)),
          lambda: fused.dequantize_sum(q4, n, m, 4, block, n, out=chunk, accumulate=True)),
         ("qgZ dequantize and sum into the fp32 shard (eager)", lambda: chunk.copy_(eager_mean()), eager_direct),
+        ("hpZ's 2-node arrangement of a bucket, quantized (fused)",
+         lambda: fused.quantize_rows(bucket.view(2, n, m // 2).transpose(0, 1).reshape(n, m), 4, block),
+         lambda: fused.quantize_rows(bucket, 4, block, interleave=2)),
     ]
-    print("\n| work | two steps ms | direct ms | speedup |\n|---|---|---|---|")
+    print("\n| work | two steps (copy) ms | direct ms | speedup |\n|---|---|---|---|")
     for name, two, direct in into:
         tt, td = timed(two), timed(direct)
         print(f"| {name} | {tt:.3f} | {td:.3f} | {tt / td:.2f}x |")

@@ -85,23 +85,33 @@ class QuantizedWork:
         return True
 
 
-def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+def _quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
+                   interleave: int = 1) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
-    both. Flat, ``n x quantized_nbytes(numel, ...)``. On CUDA, the fused kernel (equal bytes)."""
+    both. Flat, ``n x quantized_nbytes(numel, ...)``, in ``out`` if given (contiguous uint8 of that size).
+    ``interleave = k``: the rows of ``rows.reshape(k, n, numel // k).transpose(0, 1)`` instead (hpZ's
+    arrangement; the fused kernel reads them in place: triton_blocks.py [Note: no arranged copy]).
+    On CUDA, the fused kernel (equal bytes)."""
     if fused.fused_applies(rows, block):
-        return fused.quantize_rows(rows, bits, block)
-    return _quantize_rows_eager(rows, bits, block)
+        return fused.quantize_rows(rows, bits, block, out, interleave)
+    if interleave > 1:
+        n, numel = rows.shape
+        rows = rows.reshape(interleave, n, numel // interleave).transpose(0, 1).reshape(n, numel)
+    return _quantize_rows_eager(rows, bits, block, out)
 
 
-def _quantize_rows_eager(rows: Tensor, bits: int, block: int) -> Tensor:
+def _quantize_rows_eager(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None) -> Tensor:
     """:func:`_quantize_rows` in pure torch: the definition, and the path off CUDA."""
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
     qb = quantize(padded, bits=bits, block=block)
     nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
-    packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
+    if out is not None:
+        packed = out.view(n, nb * 4 + wire)
+    else:
+        packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
     packed[:, : nb * 4] = qb.scales.view(n, nb).view(torch.uint8)
     packed[:, nb * 4 :] = qb.codes.view(n, -1)[:, :wire].view(torch.uint8)
     return packed.view(-1)
@@ -152,8 +162,11 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
     ``n x shard.numel()`` elements, any float dtype); ``wait`` dequantizes into it."""
     n = C.world_size(group)
     numel = shard.numel()
-    mine = _quantize_rows(shard.reshape(1, -1), bits, block)
-    every = torch.empty(n * mine.numel(), dtype=torch.uint8, device=shard.device)
+    row = quantized_nbytes(numel, bits, block)
+    every = torch.empty(n * row, dtype=torch.uint8, device=shard.device)
+    me = C.rank(group) if n > 1 else 0
+    mine = every[me * row : (me + 1) * row]  # quantized in place: an in-place all-gather, no copy of it
+    _quantize_rows(shard.reshape(1, -1), bits, block, out=mine)
     work = C.all_gather(every, mine, group, async_op=True)
 
     def finish() -> None:
@@ -178,12 +191,18 @@ def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: in
     ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
     ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA). With ``into``, ``wait`` writes it
     (or adds it) into the destination ``into()`` gives instead, and ``result`` is that destination."""
+    return _start_reduce_scatter(full, group, bits, block, divisor, into)
+
+
+def _start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int, block: int, divisor: int,
+                          into: Optional[Into], interleave: int = 1) -> QuantizedWork:
+    """:func:`start_reduce_scatter` of ``full`` as :func:`_quantize_rows` arranges it with ``interleave``."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
         raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
     m = flat.numel() // n
-    packed = _quantize_rows(flat.view(n, m), bits, block)
+    packed = _quantize_rows(flat.view(n, m), bits, block, interleave=interleave)
     received = torch.empty_like(packed)
     work = C.all_to_all(received, packed, group, async_op=True)
 
@@ -237,8 +256,8 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     if flat.numel() % (h * k):
         raise ValueError(f"{flat.numel()} elements do not split into {h * k} equal chunks")
     m = flat.numel() // (h * k)
-    arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
-    first = start_reduce_scatter(arranged, inner, bits, block)
+    # part l: the chunks of every node's rank l (flat.view(k, h, m).transpose(0, 1)), read in place on CUDA
+    first = _start_reduce_scatter(flat, inner, bits, block, 1, None, interleave=k)
     return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
                         divisor, into)
 

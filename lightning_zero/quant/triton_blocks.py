@@ -27,6 +27,13 @@ half to even (as ``torch.round``), and contraction of a product and a sum into o
 scale (as ``vector_norm`` propagates it), so a non-finite gradient stays non-finite for the loss scaler's
 check; the codes of such a block are not defined (the eager cast of NaN to int8 is not either).
 Blocks must be a power of two (``tl.arange``); other sizes take the eager path (``fused_applies``).
+
+[Note: no arranged copy]
+hpZ's two-level qgZ sends inner rank ``l`` the chunks ``(j, l)`` of every node ``j``: the bucket viewed as
+``[k, h, m]``, transposed to ``[h, k, m]``. The eager path copies the bucket into that order; the quantize
+kernel reads it in place instead (``interleave = k``: element ``e`` of row ``l`` is at
+``(e // m) * h m + l m + e % m``), which saves a write and a read of the whole bucket per reduction. The
+values read are the same, so the bytes are too (a block may straddle two chunks, as in the copy).
 """
 
 from __future__ import annotations
@@ -64,25 +71,35 @@ if triton is not None:
         return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, Q_MAX: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+    def _source(row, offs, numel, seg, seg_stride, INTERLEAVED: tl.constexpr):
+        """Where element ``offs`` of packed row ``row`` is read: ``row * numel + offs``, or, interleaved,
+        in segment ``offs // seg`` of that row, ``seg_stride`` elements apart ([Note: no arranged copy])."""
+        if INTERLEAVED:
+            return row * seg + (offs // seg) * seg_stride + offs % seg
+        return row * numel + offs
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, seg, seg_stride, Q_MAX: tl.constexpr,
+                         BITS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
-        x_row = x_ptr + row * numel
         out_row = out_ptr + row * row_bytes
         start = b * BLOCK
         if BITS == 8:
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            src = _source(row, offs, numel, seg, seg_stride, INTERLEAVED)
+            x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
             absmax = tl.max(tl.abs(x), axis=0)
             nan = tl.max((x != x).to(tl.int32), axis=0)
         else:
             half = tl.arange(0, BLOCK // 2)
             offs = start + 2 * half
             mask = offs < numel
-            lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            hi = tl.load(x_row + offs + 1, mask=offs + 1 < numel, other=0.0).to(tl.float32)
+            src_lo = _source(row, offs, numel, seg, seg_stride, INTERLEAVED)
+            src_hi = _source(row, offs + 1, numel, seg, seg_stride, INTERLEAVED)
+            lo = tl.load(x_ptr + src_lo, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(x_ptr + src_hi, mask=offs + 1 < numel, other=0.0).to(tl.float32)
             absmax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
             nan = tl.maximum(tl.max((lo != lo).to(tl.int32), axis=0), tl.max((hi != hi).to(tl.int32), axis=0))
         scale = tl.math.div_rn(absmax, tl.full((), Q_MAX, tl.float32))
@@ -189,21 +206,34 @@ def _check(bits: int, block: int) -> None:
         raise ValueError(f"fused kernels take bits 8 or 4 and a power-of-two block, got {bits}, {block}")
 
 
-def quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+def quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
+                  interleave: int = 1) -> Tensor:
     """comm/quantized.py's ``_quantize_rows`` in one kernel: each row of ``rows`` ([n, numel], any float
-    dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8."""
+    dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8, written
+    into ``out`` if given (contiguous uint8 of that size: qwZ's own slot of the gathered bytes). With
+    ``interleave = k``, the rows quantized are those of ``rows.reshape(k, n, numel // k).transpose(0, 1)``
+    (read in place: [Note: no arranged copy])."""
     _check(bits, block)
     rows = rows.detach()
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         rows = rows.float()
     rows = rows.contiguous()
     n, numel = rows.shape
+    if interleave < 1 or numel % interleave:
+        raise ValueError(f"rows of {numel} elements do not hold {interleave} equal segments")
+    seg = numel // interleave
     nb = math.ceil(numel / block)
     row_bytes = nb * 4 + _code_bytes(numel, bits)
-    packed = torch.empty(n * row_bytes, dtype=torch.uint8, device=rows.device)
+    if out is None:
+        packed = torch.empty(n * row_bytes, dtype=torch.uint8, device=rows.device)
+    elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != n * row_bytes:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {n * row_bytes} elements")
+    else:
+        packed = out.view(-1)
     if n and numel:
-        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, Q_MAX=127 if bits == 8 else 7, BITS=bits,
-                                  BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, seg, n * seg, Q_MAX=127 if bits == 8 else 7,
+                                  BITS=bits, BLOCK=block, INTERLEAVED=interleave > 1, num_warps=_warps(block),
+                                  enable_fp_fusion=False)  # fmt: skip
     return packed
 
 

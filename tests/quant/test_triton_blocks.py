@@ -6,7 +6,8 @@ CUDA tensors and the eager reference on CPU copies (the definition: on CUDA, eag
 multiply by a rounded reciprocal, which can differ by one ulp); everything must be equal: the packed wire
 bytes (scales and codes, int8 and int4, exact ties ``k + 1/2`` rounding to even included), the dequantized
 rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows (and its
-division by the data-parallel size), also written into, then added to, a chunk of an fp32 gradient shard. Without a GPU, when Triton is installed, the same comparison runs in
+division by the data-parallel size), also written into, then added to, a chunk of an fp32 gradient shard;
+rows quantized into a slot of a larger buffer (qwZ), and read in hpZ's interleaved order in place. Without a GPU, when Triton is installed, the same comparison runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), where everything is compared bit for bit but
 the dequantized rows are written in fp32 only: the interpreter's fp32 to bf16 conversion neither rounds to
 nearest even nor carries a rounded-up mantissa into the exponent (CUDA's does both), so only the GPU test
@@ -70,6 +71,17 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
         x = _rows(n, numel, bits, block, dtype, case)
         ref = _quantize_rows_eager(x, bits, block)
         got = fused.quantize_rows(x.to(device), bits, block).cpu()
+        if numel % 3 == 0 and case != "special":  # hpZ's arrangement of 3 nodes' chunks, read in place
+            arranged = x.reshape(3, n, numel // 3).transpose(0, 1).reshape(n, numel)
+            if not torch.equal(fused.quantize_rows(x.to(device), bits, block, interleave=3).cpu(),
+                               _quantize_rows_eager(arranged, bits, block)):
+                bad.append(f"{where}: quantizing the interleaved rows in place differs")
+        if n == 1:  # qwZ quantizes into its own slot of the gathered bytes: the same bytes, nothing else touched
+            every = torch.full((3 * got.numel(),), 0xA5, dtype=torch.uint8, device=device)
+            fused.quantize_rows(x.to(device), bits, block, out=every[got.numel() : 2 * got.numel()])
+            slot = every.cpu().clone().view(3, -1)
+            if not (torch.equal(slot[1], got) and bool((slot[0] == 0xA5).all()) and bool((slot[2] == 0xA5).all())):
+                bad.append(f"{where}: quantizing into a slot of the gathered bytes differs")
         if case == "special" and numel > block:  # the NaN's own code is not defined (a cast of NaN to int8)
             at = (numel + block - 1) // block * 4 + (block if bits == 8 else block // 2)
             keep = 0xF0 if bits == 4 else 0  # under int4 the NaN (an even element) is the byte's low nibble
