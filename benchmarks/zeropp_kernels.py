@@ -6,6 +6,13 @@ kernels (quant/triton_blocks.py [Note: fused quantize kernels]), at the shapes o
 Per row: qwZ's quantize of a 25M-element bf16 shard (int8) and the dequantize of 2 such shards into a bf16
 buffer; qgZ's quantize of a 50M-element fp32 bucket as 2 rows (int4) and the dequantize-and-sum of the
 2 received rows. Milliseconds per call (CUDA events, median of 20 after 3 warm-ups), eager and fused.
+
+A second table times qgZ's last step as stage 3 runs it, into a chunk of the fp32 gradient shard (divided
+by the data-parallel size): the two steps it used to take (the fp32 mean into a new tensor, then copied
+into the shard, or added to it under gradient accumulation) against the mean written (or added) straight
+into the shard (comm/quantized.py [Note: qgZ into the gradient shard]), fused and eager; and hpZ's
+two-level qgZ quantizing a bucket in its cross-node order: copied into it first, or read in place
+(quant/triton_blocks.py [Note: no arranged copy]).
 """
 
 from __future__ import annotations
@@ -60,6 +67,31 @@ def main() -> None:
     for name, eager, fast in rows:
         te, tf = timed(eager), timed(fast)
         print(f"| {name} | {te:.3f} | {tf:.3f} | {te / tf:.1f}x |")
+    grad_shard = torch.zeros(m + 1024, device="cuda")
+    chunk = grad_shard[1024:]  # a bucket's chunk of the fp32 gradient shard, at an offset
+
+    def eager_mean():
+        return _dequantize_rows(q4, n, m, 4, block).sum(0).div_(n)
+
+    def eager_direct():
+        torch.sum(_dequantize_rows(q4, n, m, 4, block), 0, out=chunk).div_(n)
+
+    into = [
+        ("qgZ dequantize and sum into the fp32 shard (fused)",
+         lambda: chunk.copy_(fused.dequantize_sum(q4, n, m, 4, block, n)),
+         lambda: fused.dequantize_sum(q4, n, m, 4, block, n, out=chunk)),
+        ("the same, added to the shard (accumulation, fused)",
+         lambda: chunk.add_(fused.dequantize_sum(q4, n, m, 4, block, n)),
+         lambda: fused.dequantize_sum(q4, n, m, 4, block, n, out=chunk, accumulate=True)),
+        ("qgZ dequantize and sum into the fp32 shard (eager)", lambda: chunk.copy_(eager_mean()), eager_direct),
+        ("hpZ's 2-node arrangement of a bucket, quantized (fused)",
+         lambda: fused.quantize_rows(bucket.view(2, n, m // 2).transpose(0, 1).reshape(n, m), 4, block),
+         lambda: fused.quantize_rows(bucket, 4, block, interleave=2)),
+    ]
+    print("\n| work | two steps (copy) ms | direct ms | speedup |\n|---|---|---|---|")
+    for name, two, direct in into:
+        tt, td = timed(two), timed(direct)
+        print(f"| {name} | {tt:.3f} | {td:.3f} | {tt / td:.2f}x |")
 
 
 if __name__ == "__main__":

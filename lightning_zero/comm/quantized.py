@@ -24,6 +24,19 @@ definition and the CPU path. A piece's scales and codes travel packed in one row
 bytes, so each quantized collective is one exchange. The ``start_*`` forms are asynchronous: they launch
 the exchanges and return a :class:`QuantizedWork` whose ``wait`` dequantizes (and sums) once they are in,
 as the exact collectives' work handles let stage 3 overlap its gathers and reductions.
+
+[Note: qgZ into the gradient shard]
+A reduce-scatter's sum is, in stage 3, bound for a chunk of the fp32 gradient shard: copied there by the
+first backward after a step, added there by the others (gradient accumulation). Returning a fresh fp32
+tensor for the engine to copy cost one more read and write of every shard element per backward (estimated
+~2 ms of GPT-xl's ~146 ms step on one H200, issue #33). So the reductions take ``into``, called when they
+finish, which names the destination chunk and whether to add to it (flat_group.py ``grad_chunk_to_write``);
+:func:`dequantize_sum` writes the mean there (one kernel on CUDA; on CPU ``torch.sum(..., out=)``, then
+``div_`` in place), or adds it (the kernel: load, add, store; eager: the mean, then ``add_``). Every value
+is the one the two steps produced, bit for bit: the same sum in the same order and the same division or
+reciprocal product, rounded once to fp32, then copied or added (tests/quant/test_qgz_direct.py). A
+destination that is not contiguous fp32 (``grad_shard_precision="bf16"``), and the eager path on CUDA
+(a block that is not a power of two), get the two steps.
 """
 
 from __future__ import annotations
@@ -72,23 +85,33 @@ class QuantizedWork:
         return True
 
 
-def _quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+def _quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
+                   interleave: int = 1) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
-    both. Flat, ``n x quantized_nbytes(numel, ...)``. On CUDA, the fused kernel (equal bytes)."""
+    both. Flat, ``n x quantized_nbytes(numel, ...)``, in ``out`` if given (contiguous uint8 of that size).
+    ``interleave = k``: the rows of ``rows.reshape(k, n, numel // k).transpose(0, 1)`` instead (hpZ's
+    arrangement; the fused kernel reads them in place: triton_blocks.py [Note: no arranged copy]).
+    On CUDA, the fused kernel (equal bytes)."""
     if fused.fused_applies(rows, block):
-        return fused.quantize_rows(rows, bits, block)
-    return _quantize_rows_eager(rows, bits, block)
+        return fused.quantize_rows(rows, bits, block, out, interleave)
+    if interleave > 1:
+        n, numel = rows.shape
+        rows = rows.reshape(interleave, n, numel // interleave).transpose(0, 1).reshape(n, numel)
+    return _quantize_rows_eager(rows, bits, block, out)
 
 
-def _quantize_rows_eager(rows: Tensor, bits: int, block: int) -> Tensor:
+def _quantize_rows_eager(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None) -> Tensor:
     """:func:`_quantize_rows` in pure torch: the definition, and the path off CUDA."""
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
     qb = quantize(padded, bits=bits, block=block)
     nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
-    packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
+    if out is not None:
+        packed = out.view(n, nb * 4 + wire)
+    else:
+        packed = torch.empty(n, nb * 4 + wire, dtype=torch.uint8, device=rows.device)
     packed[:, : nb * 4] = qb.scales.view(n, nb).view(torch.uint8)
     packed[:, nb * 4 :] = qb.codes.view(n, -1)[:, :wire].view(torch.uint8)
     return packed.view(-1)
@@ -110,14 +133,40 @@ def _dequantize_rows(packed: Tensor, n: int, numel: int, bits: int, block: int) 
     return values.view(n, -1)[:, :numel]
 
 
+def dequantize_sum(received: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1,
+                   out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
+    """The fp32 sum of the ``n`` packed rows of ``received`` (dequantized, added in rank order), divided by
+    ``divisor``; written into ``out`` or, with ``accumulate``, added to it (then returned), else a new tensor
+    ([Note: qgZ into the gradient shard]). The fused kernel on CUDA, bit for bit the eager definition."""
+    direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+    if fused.fused_applies(received, block):  # one pass: dequantized, summed, divided, stored (or added)
+        if direct:
+            return fused.dequantize_sum(received, n, numel, bits, block, divisor, out=out, accumulate=accumulate)
+        total = fused.dequantize_sum(received, n, numel, bits, block, divisor)
+    else:
+        rows = _dequantize_rows(received, n, numel, bits, block)
+        if direct and not accumulate and not received.is_cuda:  # CUDA's reduction may tile by out's alignment
+            total = torch.sum(rows, 0, out=out)  # type: ignore[arg-type]
+            return total.div_(divisor) if divisor != 1 else total
+        total = rows.sum(0)
+        if divisor != 1:
+            total.div_(divisor)
+    if out is None:
+        return total
+    return out.add_(total) if accumulate else out.copy_(total)
+
+
 def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
                      block: int = 2048) -> QuantizedWork:
     """Launch the quantized all-gather of every rank's equal ``shard`` into ``out`` (flat, rank order,
     ``n x shard.numel()`` elements, any float dtype); ``wait`` dequantizes into it."""
     n = C.world_size(group)
     numel = shard.numel()
-    mine = _quantize_rows(shard.reshape(1, -1), bits, block)
-    every = torch.empty(n * mine.numel(), dtype=torch.uint8, device=shard.device)
+    row = quantized_nbytes(numel, bits, block)
+    every = torch.empty(n * row, dtype=torch.uint8, device=shard.device)
+    me = C.rank(group) if n > 1 else 0
+    mine = every[me * row : (me + 1) * row]  # quantized in place: an in-place all-gather, no copy of it
+    _quantize_rows(shard.reshape(1, -1), bits, block, out=mine)
     work = C.all_gather(every, mine, group, async_op=True)
 
     def finish() -> None:
@@ -130,26 +179,36 @@ def start_all_gather(out: Tensor, shard: Tensor, group: Optional[C.ProcessGroup]
     return QuantizedWork([work], finish, ((n - 1) * mine.numel(),))
 
 
+Into = Callable[[], tuple[Tensor, bool]]
+"""Where a reduction's result goes, asked when it finishes: the destination and whether to add to it
+([Note: qgZ into the gradient shard])."""
+
+
 def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
-                         block: int = 2048, divisor: int = 1) -> QuantizedWork:
+                         block: int = 2048, divisor: int = 1, into: Optional[Into] = None) -> QuantizedWork:
     """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
     all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
     ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
-    ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA)."""
+    ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA). With ``into``, ``wait`` writes it
+    (or adds it) into the destination ``into()`` gives instead, and ``result`` is that destination."""
+    return _start_reduce_scatter(full, group, bits, block, divisor, into)
+
+
+def _start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int, block: int, divisor: int,
+                          into: Optional[Into], interleave: int = 1) -> QuantizedWork:
+    """:func:`start_reduce_scatter` of ``full`` as :func:`_quantize_rows` arranges it with ``interleave``."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
         raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
     m = flat.numel() // n
-    packed = _quantize_rows(flat.view(n, m), bits, block)
+    packed = _quantize_rows(flat.view(n, m), bits, block, interleave=interleave)
     received = torch.empty_like(packed)
     work = C.all_to_all(received, packed, group, async_op=True)
 
     def finish() -> Tensor:
-        if fused.fused_applies(received, block):  # one pass: dequantized and summed in fp32, rank order
-            return fused.dequantize_sum(received, n, m, bits, block, divisor)
-        total = _dequantize_rows(received, n, m, bits, block).sum(0)
-        return total.div_(divisor) if divisor != 1 else total
+        out, accumulate = into() if into is not None else (None, False)
+        return dequantize_sum(received, n, m, bits, block, divisor, out, accumulate)
 
     return QuantizedWork([work], finish, ((n - 1) * quantized_nbytes(m, bits, block),))
 
@@ -159,10 +218,10 @@ class TwoLevelWork(QuantizedWork):
     :meth:`advance` (or ``wait``), which needs the inner sums."""
 
     def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
-                 levels: tuple[int, ...], divisor: int = 1) -> None:
+                 levels: tuple[int, ...], divisor: int = 1, into: Optional[Into] = None) -> None:
         super().__init__([], self._finish_both, levels)
         self._first, self._outer, self._bits, self._block = first, outer, bits, block
-        self._divisor = divisor
+        self._divisor, self._into = divisor, into
         self._second: Optional[QuantizedWork] = None
 
     def advance(self) -> None:
@@ -171,7 +230,8 @@ class TwoLevelWork(QuantizedWork):
         if self._second is None:
             self._first.wait()
             inner_sums: Tensor = self._first.result  # type: ignore[assignment]
-            self._second = start_reduce_scatter(inner_sums, self._outer, self._bits, self._block, self._divisor)
+            self._second = start_reduce_scatter(inner_sums, self._outer, self._bits, self._block, self._divisor,
+                                                self._into)
 
     def _finish_both(self) -> Optional[Tensor]:
         self.advance()
@@ -181,13 +241,14 @@ class TwoLevelWork(QuantizedWork):
 
 
 def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
-                                      bits: int = 8, block: int = 2048, divisor: int = 1) -> TwoLevelWork:
+                                      bits: int = 8, block: int = 2048, divisor: int = 1,
+                                      into: Optional[Into] = None) -> TwoLevelWork:
     """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
     ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
     the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
     re-quantized and exchanged across nodes. ``result`` (fp32) is this rank's chunk ``node * h + local`` of
-    the sum (divided by ``divisor`` at the outer level), as :func:`start_reduce_scatter` over all ``n``
-    would give. The outer level starts in
+    the sum (divided by ``divisor`` at the outer level, and written by ``into`` as :func:`start_reduce_scatter`
+    writes it), as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
     ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
     every rank."""
     h, k = C.world_size(inner), C.world_size(outer)
@@ -195,10 +256,10 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     if flat.numel() % (h * k):
         raise ValueError(f"{flat.numel()} elements do not split into {h * k} equal chunks")
     m = flat.numel() // (h * k)
-    arranged = flat.view(k, h, m).transpose(0, 1).reshape(-1)  # part l: the chunks of every node's rank l
-    first = start_reduce_scatter(arranged, inner, bits, block)
+    # part l: the chunks of every node's rank l (flat.view(k, h, m).transpose(0, 1)), read in place on CUDA
+    first = _start_reduce_scatter(flat, inner, bits, block, 1, None, interleave=k)
     return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
-                        divisor)
+                        divisor, into)
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
@@ -218,5 +279,6 @@ def reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
     return work.result.to(full.dtype), work.nbytes  # type: ignore[union-attr]
 
 
-__all__ = ["Q_MAX", "QuantizedWork", "TwoLevelWork", "all_gather", "code_bytes", "quantized_nbytes", "reduce_scatter",
-           "start_all_gather", "start_reduce_scatter", "start_reduce_scatter_hierarchical"]
+__all__ = ["Into", "Q_MAX", "QuantizedWork", "TwoLevelWork", "all_gather", "code_bytes", "dequantize_sum",
+           "quantized_nbytes", "reduce_scatter", "start_all_gather", "start_reduce_scatter",
+           "start_reduce_scatter_hierarchical"]

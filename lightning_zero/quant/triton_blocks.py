@@ -15,7 +15,9 @@ into the bf16 buffer. Here each is one kernel, one program per (row, block):
 * ``dequantize_rows_into``: reads a row's scale and codes and writes ``code * scale`` in the destination's
   dtype (bf16 under bf16-mixed) into the gathered buffer: no fp32 temporary, no zero-filled padding.
 * ``dequantize_sum``: qgZ's receive side: the ``n`` received rows dequantized and summed in fp32 in one
-  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out.
+  pass, rank order, from 0 (as ``sum(0)`` adds them), and divided by the data-parallel size on the way out,
+  written (or, accumulating gradients, added) straight into the fp32 gradient shard's chunk
+  (comm/quantized.py [Note: qgZ into the gradient shard]).
 
 The arithmetic is the eager definition's, operation for operation, so codes, scales and values equal the
 eager reference's bit for bit: the scale is ``max |x| / q_max`` and the code ``rint(x / scale)`` with
@@ -25,11 +27,19 @@ half to even (as ``torch.round``), and contraction of a product and a sum into o
 scale (as ``vector_norm`` propagates it), so a non-finite gradient stays non-finite for the loss scaler's
 check; the codes of such a block are not defined (the eager cast of NaN to int8 is not either).
 Blocks must be a power of two (``tl.arange``); other sizes take the eager path (``fused_applies``).
+
+[Note: no arranged copy]
+hpZ's two-level qgZ sends inner rank ``l`` the chunks ``(j, l)`` of every node ``j``: the bucket viewed as
+``[k, h, m]``, transposed to ``[h, k, m]``. The eager path copies the bucket into that order; the quantize
+kernel reads it in place instead (``interleave = k``: element ``e`` of row ``l`` is at
+``(e // m) * h m + l m + e % m``), which saves a write and a read of the whole bucket per reduction. The
+values read are the same, so the bytes are too (a block may straddle two chunks, as in the copy).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -61,25 +71,35 @@ if triton is not None:
         return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, Q_MAX: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK: tl.constexpr):  # fmt: skip
+    def _source(row, offs, numel, seg, seg_stride, INTERLEAVED: tl.constexpr):
+        """Where element ``offs`` of packed row ``row`` is read: ``row * numel + offs``, or, interleaved,
+        in segment ``offs // seg`` of that row, ``seg_stride`` elements apart ([Note: no arranged copy])."""
+        if INTERLEAVED:
+            return row * seg + (offs // seg) * seg_stride + offs % seg
+        return row * numel + offs
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, seg, seg_stride, Q_MAX: tl.constexpr,
+                         BITS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
-        x_row = x_ptr + row * numel
         out_row = out_ptr + row * row_bytes
         start = b * BLOCK
         if BITS == 8:
             offs = start + tl.arange(0, BLOCK)
             mask = offs < numel
-            x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            src = _source(row, offs, numel, seg, seg_stride, INTERLEAVED)
+            x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
             absmax = tl.max(tl.abs(x), axis=0)
             nan = tl.max((x != x).to(tl.int32), axis=0)
         else:
             half = tl.arange(0, BLOCK // 2)
             offs = start + 2 * half
             mask = offs < numel
-            lo = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-            hi = tl.load(x_row + offs + 1, mask=offs + 1 < numel, other=0.0).to(tl.float32)
+            src_lo = _source(row, offs, numel, seg, seg_stride, INTERLEAVED)
+            src_hi = _source(row, offs + 1, numel, seg, seg_stride, INTERLEAVED)
+            lo = tl.load(x_ptr + src_lo, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.load(x_ptr + src_hi, mask=offs + 1 < numel, other=0.0).to(tl.float32)
             absmax = tl.maximum(tl.max(tl.abs(lo), axis=0), tl.max(tl.abs(hi), axis=0))
             nan = tl.maximum(tl.max((lo != lo).to(tl.int32), axis=0), tl.max((hi != hi).to(tl.int32), axis=0))
         scale = tl.math.div_rn(absmax, tl.full((), Q_MAX, tl.float32))
@@ -145,7 +165,7 @@ if triton is not None:
 
     @triton.jit
     def _dequantize_sum_kernel(packed_ptr, out_ptr, n, numel, row_bytes, nb, inv, BITS: tl.constexpr,
-                               BLOCK: tl.constexpr):  # fmt: skip
+                               BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
         HALF: tl.constexpr = BLOCK if BITS == 8 else BLOCK // 2
         acc0 = tl.zeros((HALF,), tl.float32)
@@ -164,9 +184,15 @@ if triton is not None:
             acc0 += v0
             acc1 += v1
             row_ptr += row_bytes
-        tl.store(out_ptr + o0, acc0 * inv, mask=m0)
+        r0 = acc0 * inv
+        r1 = acc1 * inv
+        if ACCUMULATE:  # gradient accumulation: ``shard + mean``, the product rounded first (no FMA)
+            r0 = tl.load(out_ptr + o0, mask=m0, other=0.0) + r0
+            if BITS == 4:
+                r1 = tl.load(out_ptr + o1, mask=m1, other=0.0) + r1
+        tl.store(out_ptr + o0, r0, mask=m0)
         if BITS == 4:
-            tl.store(out_ptr + o1, acc1 * inv, mask=m1)
+            tl.store(out_ptr + o1, r1, mask=m1)
 
 
 def _code_bytes(numel: int, bits: int) -> int:
@@ -180,21 +206,34 @@ def _check(bits: int, block: int) -> None:
         raise ValueError(f"fused kernels take bits 8 or 4 and a power-of-two block, got {bits}, {block}")
 
 
-def quantize_rows(rows: Tensor, bits: int, block: int) -> Tensor:
+def quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
+                  interleave: int = 1) -> Tensor:
     """comm/quantized.py's ``_quantize_rows`` in one kernel: each row of ``rows`` ([n, numel], any float
-    dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8."""
+    dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8, written
+    into ``out`` if given (contiguous uint8 of that size: qwZ's own slot of the gathered bytes). With
+    ``interleave = k``, the rows quantized are those of ``rows.reshape(k, n, numel // k).transpose(0, 1)``
+    (read in place: [Note: no arranged copy])."""
     _check(bits, block)
     rows = rows.detach()
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         rows = rows.float()
     rows = rows.contiguous()
     n, numel = rows.shape
+    if interleave < 1 or numel % interleave:
+        raise ValueError(f"rows of {numel} elements do not hold {interleave} equal segments")
+    seg = numel // interleave
     nb = math.ceil(numel / block)
     row_bytes = nb * 4 + _code_bytes(numel, bits)
-    packed = torch.empty(n * row_bytes, dtype=torch.uint8, device=rows.device)
+    if out is None:
+        packed = torch.empty(n * row_bytes, dtype=torch.uint8, device=rows.device)
+    elif out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != n * row_bytes:
+        raise ValueError(f"out must be a contiguous uint8 tensor of {n * row_bytes} elements")
+    else:
+        packed = out.view(-1)
     if n and numel:
-        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, Q_MAX=127 if bits == 8 else 7, BITS=bits,
-                                  BLOCK=block, num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, seg, n * seg, Q_MAX=127 if bits == 8 else 7,
+                                  BITS=bits, BLOCK=block, INTERLEAVED=interleave > 1, num_warps=_warps(block),
+                                  enable_fp_fusion=False)  # fmt: skip
     return packed
 
 
@@ -212,17 +251,27 @@ def dequantize_rows_into(out: Tensor, packed: Tensor, n: int, numel: int, bits: 
     return out
 
 
-def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1) -> Tensor:
+def dequantize_sum(packed: Tensor, n: int, numel: int, bits: int, block: int, divisor: int = 1,
+                   out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """``_dequantize_rows(...).sum(0).div_(divisor)`` in one kernel: fp32 ``[numel]``, rows added in order
     from 0, then multiplied by the fp32 reciprocal of ``divisor``, as CUDA's ``div_`` by a number does (one
-    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing)."""
+    pass fewer over stage 3's gradient chunks; a multiplication by 1 changes nothing). With ``out`` (fp32,
+    contiguous, ``numel`` elements: a chunk of the fp32 gradient shard) the result is written there instead
+    of into a new tensor, or with ``accumulate`` added to what ``out`` holds (``out.add_(result)``, bit for
+    bit): [Note: qgZ into the gradient shard]."""
     _check(bits, block)
     nb = math.ceil(numel / block)
     row_bytes = nb * 4 + _code_bytes(numel, bits)
-    out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate needs out")
+        out = torch.empty(numel, dtype=torch.float32, device=packed.device)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
+        raise ValueError(f"out must be a contiguous fp32 tensor of {numel} elements")
     if numel:
         _dequantize_sum_kernel[(nb,)](packed, out, n, numel, row_bytes, nb, 1.0 / divisor, BITS=bits, BLOCK=block,
-                                      num_warps=_warps(block), enable_fp_fusion=False)  # fmt: skip
+                                      ACCUMULATE=accumulate, num_warps=_warps(block),
+                                      enable_fp_fusion=False)  # fmt: skip
     return out
 
 

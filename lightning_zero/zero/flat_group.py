@@ -57,13 +57,22 @@ class ShardViews:
         to zeros: zeroing the shard and adding into it read and wrote it twice more. Every bucket is
         reduced in every backward (engine.py [Note: launch in bucket order]), so the whole shard is
         written before anything reads it."""
-        b = self.layout.buckets[bucket_index]
-        chunk = self.ensure_grad_shard(zeroed=False)[b.shard_offset : b.shard_offset + b.chunk]
-        if bucket_index in self._grad_written:
+        chunk, accumulate = self.grad_chunk_to_write(bucket_index)
+        if accumulate:
             chunk.add_(values)
         else:
             chunk.copy_(values)
-            self._grad_written.add(bucket_index)
+
+    def grad_chunk_to_write(self, bucket_index: int) -> tuple[Tensor, bool]:
+        """Bucket ``bucket_index``'s chunk of the gradient shard and whether a reduction adds to it (False:
+        the first since :meth:`drop_grad_shard`, which overwrites it: :meth:`add_to_grad_shard`); the caller
+        writes it now. qgZ's reductions write there themselves (comm/quantized.py [Note: qgZ into the
+        gradient shard])."""
+        b = self.layout.buckets[bucket_index]
+        chunk = self.ensure_grad_shard(zeroed=False)[b.shard_offset : b.shard_offset + b.chunk]
+        accumulate = bucket_index in self._grad_written
+        self._grad_written.add(bucket_index)
+        return chunk, accumulate
 
     def drop_grad_shard(self) -> None:
         """Discard the accumulated gradients (after a step, or a skipped one)."""

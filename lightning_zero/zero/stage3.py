@@ -412,14 +412,9 @@ class Stage3Engine(Stage2Engine):
         if not self.zpp.quantizes_gradients or comm.size == 1:
             self.zpp.count_exact_reduce(fg.layout.buckets[bi].chunk, bucket.element_size(), comm.size)
             return super()._reduce_scatter_into_shard(gi, bi, bucket, after)
-        work = self.zpp.start_reduce_scatter(bucket, comm.group, self.dp_size)
-
-        def finalize() -> None:
-            fg.add_to_grad_shard(bi, work.result)  # type: ignore[arg-type]  # fp32 sum / dp_size
-            if after is not None:
-                after()
-
-        return _Pending(work, finalize)
+        # the fp32 sum / dp_size lands in the gradient shard: comm/quantized.py [Note: qgZ into the gradient shard]
+        work = self.zpp.start_reduce_scatter(bucket, comm.group, self.dp_size, into=lambda: fg.grad_chunk_to_write(bi))
+        return _Pending(work, after if after is not None else lambda: None)
 
     # ---------------------------------------------------------------- step boundaries
     def inner_units(self) -> Optional[list[Unit]]:

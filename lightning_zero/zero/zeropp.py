@@ -23,7 +23,8 @@ DeepSpeed's ZeRO++ cuts stage 3's traffic three ways, each switchable (config/qu
   rank dequantizing what it receives and summing it in fp32; with hpZ on, in two levels (inside the node,
   then across nodes with the partial sums re-quantized: comm/quantized.py; a bucket's cross-node level is
   launched when the next bucket's reduction is, in bucket order on every rank). The fp32 sum is divided by
-  the data-parallel size and added to the fp32 gradient shard, never rounded to the compute dtype.
+  the data-parallel size and written (or added) straight into the fp32 gradient shard, never rounded to the
+  compute dtype (comm/quantized.py [Note: qgZ into the gradient shard]).
 
 Every byte is counted in the engine's :class:`Traffic` under a label: ``param_gather`` (partitions across
 the data-parallel ranks), ``param_gather_node`` (hpZ's secondary copies inside a node), ``grad_reduce``
@@ -132,22 +133,22 @@ class ZeroPP:
     def quantizes_gradients(self) -> bool:
         return self.grad_bits is not None
 
-    def start_reduce_scatter(self, bucket: Tensor, group: Optional[C.ProcessGroup],
-                             divisor: int = 1) -> Q.QuantizedWork:
+    def start_reduce_scatter(self, bucket: Tensor, group: Optional[C.ProcessGroup], divisor: int = 1,
+                             into: Optional[Q.Into] = None) -> Q.QuantizedWork:
         """qgZ: launch the quantized reduce-scatter of ``bucket`` over ``group`` (two levels under hpZ);
         ``result`` (fp32, this rank's chunk of the sum divided by ``divisor``: on CUDA in the same kernel)
-        once waited."""
+        once waited, written (or added) by the last level into the destination ``into`` gives, if given."""
         assert self.grad_bits is not None
         if self.hpz is not None:
             for earlier in self._two_level:  # their cross-node level overlaps the rest of backward
                 earlier.advance()
             work = Q.start_reduce_scatter_hierarchical(bucket, self.hpz.grad_group, self.hpz.cross_group,
-                                                       self.grad_bits, self.block, divisor)
+                                                       self.grad_bits, self.block, divisor, into)
             self._two_level = [work]
             self.traffic.add("grad_reduce_node", work.levels[0])
             self.traffic.add("grad_reduce_cross", work.levels[1])
             return work
-        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block, divisor)
+        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block, divisor, into)
         self.traffic.add("grad_reduce", work.nbytes)
         return work
 

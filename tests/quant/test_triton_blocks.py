@@ -6,7 +6,8 @@ CUDA tensors and the eager reference on CPU copies (the definition: on CUDA, eag
 multiply by a rounded reciprocal, which can differ by one ulp); everything must be equal: the packed wire
 bytes (scales and codes, int8 and int4, exact ties ``k + 1/2`` rounding to even included), the dequantized
 rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows (and its
-division by the data-parallel size). Without a GPU, when Triton is installed, the same comparison runs in
+division by the data-parallel size), also written into, then added to, a chunk of an fp32 gradient shard;
+rows quantized into a slot of a larger buffer (qwZ), and read in hpZ's interleaved order in place. Without a GPU, when Triton is installed, the same comparison runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), where everything is compared bit for bit but
 the dequantized rows are written in fp32 only: the interpreter's fp32 to bf16 conversion neither rounds to
 nearest even nor carries a rounded-up mantissa into the exponent (CUDA's does both), so only the GPU test
@@ -70,6 +71,17 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
         x = _rows(n, numel, bits, block, dtype, case)
         ref = _quantize_rows_eager(x, bits, block)
         got = fused.quantize_rows(x.to(device), bits, block).cpu()
+        if numel % 3 == 0 and case != "special":  # hpZ's arrangement of 3 nodes' chunks, read in place
+            arranged = x.reshape(3, n, numel // 3).transpose(0, 1).reshape(n, numel)
+            if not torch.equal(fused.quantize_rows(x.to(device), bits, block, interleave=3).cpu(),
+                               _quantize_rows_eager(arranged, bits, block)):
+                bad.append(f"{where}: quantizing the interleaved rows in place differs")
+        if n == 1:  # qwZ quantizes into its own slot of the gathered bytes: the same bytes, nothing else touched
+            every = torch.full((3 * got.numel(),), 0xA5, dtype=torch.uint8, device=device)
+            fused.quantize_rows(x.to(device), bits, block, out=every[got.numel() : 2 * got.numel()])
+            slot = every.cpu().clone().view(3, -1)
+            if not (torch.equal(slot[1], got) and bool((slot[0] == 0xA5).all()) and bool((slot[2] == 0xA5).all())):
+                bad.append(f"{where}: quantizing into a slot of the gathered bytes differs")
         if case == "special" and numel > block:  # the NaN's own code is not defined (a cast of NaN to int8)
             at = (numel + block - 1) // block * 4 + (block if bits == 8 else block // 2)
             keep = 0xF0 if bits == 4 else 0  # under int4 the NaN (an even element) is the byte's low nibble
@@ -91,6 +103,20 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
             mean = fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=3).cpu()
             if not _same(mean, want_sum * torch.tensor(1 / 3, dtype=torch.float32)):
                 bad.append(f"{where}: the sum divided by 3 differs")
+        # written into the fp32 gradient shard's chunk (an odd offset), then added to it (accumulation): as
+        # the eager copy_ / add_ of the mean ([Note: qgZ into the gradient shard]), nothing else touched
+        divisor = 3 if n == 3 else 1
+        mean = want_sum * torch.tensor(1 / 3, dtype=torch.float32) if divisor == 3 else want_sum
+        shard = torch.full((numel + 9,), 7.0, device=device)
+        chunk = shard[5 : 5 + numel]
+        fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk)
+        into = shard.cpu().clone()  # (on CPU, .cpu() is the same tensor)
+        fused.dequantize_sum(ref.to(device), n, numel, bits, block, divisor=divisor, out=chunk, accumulate=True)
+        added = shard.cpu()
+        frame = torch.full((numel + 9,), 7.0)
+        if not (_same(into[5 : 5 + numel], mean) and _same(added[5 : 5 + numel], mean + mean)
+                and torch.equal(into[:5], frame[:5]) and torch.equal(added[5 + numel :], frame[5 + numel :])):
+            bad.append(f"{where}: the sum written or added into the shard differs")
         if case == "special" and numel > block and not bool(total[block : 2 * block].isnan().all()):
             bad.append(f"{where}: a NaN block's values are not all NaN")
     return bad
@@ -117,6 +143,12 @@ def test_collectives_take_the_fused_path_on_cuda() -> None:
         r_cuda, _ = quantized.reduce_scatter(x.float().cuda(), None, bits=bits, block=2048)
         r_cpu, _ = quantized.reduce_scatter(x.float(), None, bits=bits, block=2048)
         assert _same(r_cuda.cpu(), r_cpu)
+        shard = torch.zeros(x.numel() + 3, device="cuda")  # qgZ into the gradient shard: copied, then added
+        for accumulate in (False, True):
+            work = quantized.start_reduce_scatter(x.float().cuda(), None, bits, 2048,
+                                                  into=lambda a=accumulate: (shard[3:], a))
+            work.wait()
+        assert _same(shard[3:].cpu(), r_cpu + r_cpu) and not bool(shard[:3].any())
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")

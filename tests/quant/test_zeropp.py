@@ -32,13 +32,18 @@ from tests.helpers.harness import run_scenario
 TWO = {  # qwZ, qgZ and both (the bytes claim), on both models
     "gpt_zero3": "gpt", "gpt_qw": "gpt:qw=int8", "gpt_qg": "gpt:qg=int8", "gpt_both": "gpt:qw=int8,qg=int4",
     "llama_zero3": "llama", "llama_qw": "llama:qw=int8", "llama_both": "llama:qw=int8,qg=int4",
+    "gpt_qg_acc": "gpt:qg=int4,accum=2,steps=2", "gpt_qg_acc_twostep": "gpt:qg=int4,accum=2,steps=2,twostep=1",
 }
 FOUR = {  # two nodes of two ranks: hpZ alone, and all three (qgZ in two levels); the GPT in bf16 too (bytes)
     "gpt_zero3": "gpt", "gpt_hpz": "gpt:hpz=2", "gpt_all": "gpt:qw=int8,qg=int4,hpz=2",
     "llama_zero3": "llama", "llama_hpz": "llama:hpz=2", "llama_all": "llama:qw=int8,qg=int8,hpz=2",
     "gpt_zero3_bf16": "gpt:precision=bf16-mixed",
     "gpt_both_bf16": "gpt:qw=int8,qg=int4,precision=bf16-mixed", "gpt_all_bf16": "gpt:qw=int8,qg=int4,hpz=2,precision=bf16-mixed",
+    "gpt_all_acc": "gpt:qw=int8,qg=int8,hpz=2,accum=2,steps=2",
+    "gpt_all_acc_twostep": "gpt:qw=int8,qg=int8,hpz=2,accum=2,steps=2,twostep=1",
 }
+ACCUMULATING = ("two", "gpt_qg_acc"), ("four", "gpt_all_acc")
+"""Two micro-batches per step, qgZ writing into the gradient shard, each beside its ``_twostep`` reference."""
 NODE_LOCAL = ("param_gather_node", "grad_reduce_node")
 """Traffic labels that stay inside an hpZ group (a node)."""
 
@@ -76,8 +81,8 @@ def _bytes(run: dict, skip: tuple[str, ...] = ()) -> float:
     return sum(v for step in run["traffic"] for k, v in step.items() if k not in skip) / len(run["traffic"])
 
 
-@pytest.mark.parametrize("fixture,name", [("two", n) for n in TWO if "zero3" not in n]
-                         + [("four", n) for n in FOUR if "_all" in n or "_both" in n])
+@pytest.mark.parametrize("fixture,name", [("two", n) for n in TWO if "zero3" not in n and "_acc" not in n]
+                         + [("four", n) for n in FOUR if ("_all" in n or "_both" in n) and "_acc" not in n])
 def test_quantized_runs_track_zero3_within_the_stated_bound(request: pytest.FixtureRequest, fixture: str,
                                                            name: str) -> None:
     runs = request.getfixturevalue(fixture)
@@ -88,6 +93,22 @@ def test_quantized_runs_track_zero3_within_the_stated_bound(request: pytest.Fixt
         rel = float((_flat(wa) - _flat(wb)).norm() / _flat(wb).norm())
         assert rel < 0.01 + 0.005 * t, (t, rel)
     assert not _identical(got, ref), "the quantized run computed exactly what zero3 did: nothing was quantized"
+
+
+@pytest.mark.parametrize("fixture,name", ACCUMULATING)
+def test_qgz_into_the_gradient_shard_equals_the_two_steps_under_accumulation(request: pytest.FixtureRequest,
+                                                                           fixture: str, name: str) -> None:
+    """comm/quantized.py [Note: qgZ into the gradient shard]: with two micro-batches per step, the reduction
+    writing its mean into the shard (the first backward) and adding it there (the second) trains bit for
+    bit as returning the mean for the engine to copy or add did (one level on 2 ranks; under hpZ on 4, two
+    levels, the second writing into the shard). Both paths copied and added as many chunks (the second
+    micro-batch adds to each chunk the first wrote)."""
+    runs = request.getfixturevalue(fixture)
+    got, ref = runs[name], runs[name + "_twostep"]
+    assert _identical(got, ref)
+    writes = got["shard_writes"]
+    assert writes["copied"] > 0 and writes["added"] == writes["copied"] and ref["shard_writes"] == writes
+    assert not torch.equal(_flat(got["weights"][-1]), _flat(got["weights0"]))  # it trained
 
 
 @pytest.mark.parametrize("name", ["gpt_hpz", "llama_hpz"])
