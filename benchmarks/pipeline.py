@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 benchmarks/pipeline.py --results benchmarks/RESULTS.md
     torchrun --nproc-per-node 2 benchmarks/pipeline.py --device cpu --model tiny --steps 3 --warmup 1
     torchrun --nproc-per-node 2 benchmarks/pipeline.py --compile                  # every block torch.compiled
-    torchrun --nproc-per-node 4 benchmarks/pipeline.py --sweep --global-batch 64  # 1F1B + interleaved, pp 2 and 4, M = 4, 8, 16
-    torchrun --nproc-per-node 2 benchmarks/pipeline.py --configs pipe-M8 --trace OUT  # + compute vs communication per stage
+    torchrun --nproc-per-node 4 benchmarks/pipeline.py --sweep --global-batch 64  # 1F1B, interleaved; pp 2, 4; M 4-16
+    torchrun --nproc-per-node 2 benchmarks/pipeline.py --configs pipe-M8 --trace OUT  # + compute vs communication
 
 Workload: the GPT of ``examples/gpt.py`` (``conf/model/gpt_1b.yaml``: 24 x 2048, 16 heads, seq 1024,
 vocab 50304, tied embedding/head) written as a :class:`PipelineModule`, ``bf16-mixed``, AdamW, global
@@ -320,8 +320,7 @@ def sweep_configs(world: int, schedules: list[str], micros: tuple[int, ...] = (4
 
 
 def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) -> dict[str, Any]:
-    flat = name in ("zero1", "zero3")  # data parallel over every GPU, the module run in sequence
-    stages, micro, schedule = parse_config(name, args)
+    stages, micro, schedule = parse_config(name, args)  # zero1/zero3: 1 stage, every GPU data parallel
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -363,7 +362,8 @@ def run_config(name: str, args: argparse.Namespace, cfg: GPTConfig, world: int) 
     elapsed = (timer.end - timer.start) if timer.start is not None and timer.end is not None else float("nan")
     tokens = timer.steps * args.global_batch * cfg.seq_len
     row = {
-        "config": name, "schedule": schedule if stages > 1 else "-", "stages": stages, "dp": world // stages, "microbatches": micro,
+        "config": name, "schedule": schedule if stages > 1 else "-", "stages": stages, "dp": world // stages,
+        "microbatches": micro,
         "micro_batch": args.global_batch // (world // stages) // micro, "tokens_per_s": tokens / elapsed,
         "peak_gib": max(p for p in peaks if p is not None), "error": error,
         "bubble_measured": bubble["measured"] if bubble else None,
@@ -384,7 +384,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) ->
     lines = [
         f"### Pipeline vs ZeRO-1, {args.model}, {device}, {dt.date.today().isoformat()}",
         "",
-        f"Global batch {args.global_batch} x seq; {args.virtual_stages} chunks per GPU when interleaved; {args.steps} measured steps after "
+        f"Global batch {args.global_batch} x seq; {args.virtual_stages} chunks per GPU when interleaved; "
+        f"{args.steps} measured steps after "
         f"{args.warmup} warm-up{'; every block torch.compiled' if args.compile else ''}. Bubble: idle fraction of "
         "the average stage (per stage in brackets).",
         "",
@@ -441,8 +442,8 @@ def main() -> None:
     for name in names:  # fail before the first configuration runs, not after an hour of them
         stages, micro, _ = parse_config(name, args)
         if world % stages or args.global_batch % (world // stages * micro):
-            raise SystemExit(f"config {name!r}: {stages} stages must divide {world} GPUs and M x data-parallel "
-                             f"ranks the global batch {args.global_batch}")
+            raise SystemExit(f"config {name!r}: needs its stages ({stages}) to divide the GPUs ({world}) and M "
+                             f"({micro}) x the data-parallel ranks to divide --global-batch ({args.global_batch})")
     rows = [run_config(name, args, cfg, world) for name in names]
     if int(os.environ.get("RANK", "0")) == 0:
         device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (gloo)"

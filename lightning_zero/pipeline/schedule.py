@@ -296,7 +296,9 @@ def build_plan(
     return Plan(kind, stages, chunks, microbatches, forward_only, tuple(steps), makespan, costs)
 
 
-def _paired_1f1b(rank: int, stages: int, microbatches: int, ticks: list[int], done: dict[Message, int]) -> tuple[Step, ...]:
+def _paired_1f1b(
+    rank: int, stages: int, microbatches: int, ticks: list[int], done: dict[Message, int],
+) -> tuple[Step, ...]:
     """One rank's steps of 1F1B training with Megatron's exchanges (see [Note: paired exchanges of 1F1B]).
 
     ``ticks``: start tick of each action in the program order; ``done``: the tick each message is produced
