@@ -51,7 +51,7 @@ from lightning_zero.pipeline import microbatch as mbu
 from lightning_zero.pipeline.buffers import ReceiveBuffers
 from lightning_zero.pipeline.module import PipelineModule
 from lightning_zero.pipeline.schedule import Action, Compute, Exchange, Message, Plan, build_plan
-from lightning_zero.pipeline.timing import BubbleStats, DeviceReadback, StageTimer
+from lightning_zero.pipeline.timing import LABELS, BubbleStats, DeviceReadback, StageTimer, label
 
 
 class GradSync(Protocol):
@@ -227,13 +227,15 @@ class PipelineRuntime:
             self._meta.move_to_end(signature)
         for step in plan.steps[self.rank]:
             if isinstance(step, Compute):
-                with self.timer.compute():
-                    if step.action.op == "F":
+                forward = step.action.op == "F"
+                with self.timer.compute(), label(LABELS[0] if forward else LABELS[1]):
+                    if forward:
                         self._forward(plan, step.action, st)
                     else:
                         self._backward(plan, step.action, st)
             else:
-                self._exchange(plan, step, st, cache)
+                with label(LABELS[2]):
+                    self._exchange(plan, step, st, cache)
         for work in st.sending:
             work.wait()
         st.sending.clear()

@@ -21,9 +21,28 @@ point-to-point deadlock-free on NCCL, which runs the p2p operations of one commu
 one stream (a send posted alone before the peer's matching receive can block every later operation
 of that pair), and on gloo. The runtime waits for an exchange only when it receives something;
 sends complete in the background (runtime.py). A rank therefore waits only for data it needs,
-never for the whole pipeline, and idle ticks cost nothing. For 1F1B this reproduces Megatron's
-pairing (a forward's send together with the next backward's receive). ``tests/pipeline`` replays
+never for the whole pipeline, and idle ticks cost nothing. 1F1B training places its exchanges as
+Megatron does instead (next note). ``tests/pipeline`` replays
 every plan under NCCL's rules with backward = 2 x forward and finds the textbook bubble.
+
+[Note: paired exchanges of 1F1B]
+1F1B training does not use step 3's placement: a receive placed at the tick its message is produced
+made a rank wait for data it needed only after its next action (the last stage of two waited for
+the second activation before running its first backward, a rendezvous with the first stage's second
+forward), and a send and the next receive from the same neighbour crossed in two batches. Its
+exchanges are Megatron's instead (``send_forward_recv_backward`` after a forward,
+``send_backward_recv_forward`` after a backward): each rank receives just before the action that
+consumes the message, in one ``batch_isend_irecv`` together with the send its previous action made to
+the same neighbour. Both sides of each pair derive the same sequence (rank ``s``: ``W`` lone sends
+of activations, ``M - W`` send+receive pairs, ``W`` lone gradient receives; rank ``s + 1`` the
+mirror), so the batches still match one to one; an exchange is named by the tick of its latest
+message, and a middle stage's warm-up send and receive of the same tick share one batch.
+Receives are posted as late as possible rather than early: on NCCL a receive posted ahead of need
+is a kernel spinning on SMs beside the compute (the trace in benchmarks/RESULTS.md: the same GEMM
+130 us on the stage without one, 145-160 us on the stage with one) and, the communicator's
+operations running in order on one stream, it also holds back every later send of the pair. Posted
+just before need, the compute stream waits for it at once, so nothing spins beside compute but a
+warm-up or drain send, which its peer is already waiting to receive.
 
 GPipe and 1F1B finish in ``3 (M + P - 1)`` ticks, so each rank idles ``(P - 1) / (M + P - 1)`` of
 the time, the formula ``theoretical_bubble`` returns; interleaving ``V`` chunks gives
@@ -244,7 +263,8 @@ def build_plan(
 ) -> Plan:
     """The :class:`Plan` of a schedule (pure and cached: every rank computes the same one).
 
-    A message crosses in the exchange at the tick where it is produced; the exchange sits at that
+    A message crosses in the exchange at the tick where it is produced (1F1B training: [Note: paired
+    exchanges of 1F1B]); the exchange sits at that
     tick on the sender's and the receivers' timelines alike: after every action that starts earlier,
     before every action that starts then or later.
     """
@@ -261,6 +281,10 @@ def build_plan(
                 if not (forward_only and m.kind == "grad"):
                     produced.setdefault(t + cost[a.op], []).append(m)
     steps: list[tuple[Step, ...]] = []
+    if kind == "1f1b" and not forward_only and stages > 1:
+        done = {m: t for t, msgs in produced.items() for m in msgs}
+        steps = [_paired_1f1b(r, stages, microbatches, ticks[r], done) for r in range(stages)]
+        return Plan(kind, stages, chunks, microbatches, forward_only, tuple(steps), makespan, costs)
     for r in range(stages):
         events: list[tuple[int, int, Step]] = [(t, 1, Compute(t, a)) for a, t in zip(programs[r], ticks[r])]
         for t, msgs in produced.items():
@@ -270,6 +294,56 @@ def build_plan(
                 events.append((t, 0, Exchange(t, sends, recvs)))
         steps.append(tuple(step for _, _, step in sorted(events, key=lambda e: (e[0], e[1]))))
     return Plan(kind, stages, chunks, microbatches, forward_only, tuple(steps), makespan, costs)
+
+
+def _paired_1f1b(
+    rank: int, stages: int, microbatches: int, ticks: list[int], done: dict[Message, int],
+) -> tuple[Step, ...]:
+    """One rank's steps of 1F1B training with Megatron's exchanges (see [Note: paired exchanges of 1F1B]).
+
+    ``ticks``: start tick of each action in the program order; ``done``: the tick each message is produced
+    at, which names the exchange it crosses in (the tick of an exchange is that of its latest message).
+    """
+    first, last = rank == 0, rank == stages - 1
+    warm = min(stages - 1 - rank, microbatches)
+    act_in = lambda m: Message("act", m, rank - 1, rank)  # noqa: E731
+    act_out = lambda m: Message("act", m, rank, rank + 1)  # noqa: E731
+    grad_in = lambda m: Message("grad", m, rank + 1, rank)  # noqa: E731
+    grad_out = lambda m: Message("grad", m, rank, rank - 1)  # noqa: E731
+    at = iter(ticks)
+    out: list[Step] = []
+
+    def exchange(sends: list[Message], recvs: list[Message]) -> None:
+        if not (sends or recvs):
+            return
+        tick = max(done[m] for m in (*sends, *recvs))
+        prev = out[-1] if out else None
+        if isinstance(prev, Exchange) and prev.tick == tick:  # a middle stage's warm-up: both neighbours at once
+            sends, recvs = [*prev.sends, *sends], [*prev.recvs, *recvs]
+            out.pop()
+        out.append(Exchange(tick, tuple(sorted(sends)), tuple(sorted(recvs))))
+
+    def compute(op: str, mb: int) -> None:
+        out.append(Compute(next(at), Action(op, mb)))
+
+    for m in range(warm):  # warm-up: receive, forward, send (the last stage has none)
+        exchange([], [] if first else [act_in(m)])
+        compute("F", m)
+        exchange([act_out(m)], [])
+    steady = microbatches - warm
+    if steady and not first:
+        exchange([], [act_in(warm)])
+    for i in range(steady):  # send_forward_recv_backward, send_backward_recv_forward
+        compute("F", warm + i)
+        exchange([] if last else [act_out(warm + i)], [] if last else [grad_in(i)])
+        compute("B", i)
+        nxt = [act_in(warm + i + 1)] if i + 1 < steady else []
+        exchange([] if first else [grad_out(i)], [] if first else nxt)
+    for m in range(steady, microbatches):  # drain: receive, backward, send
+        exchange([], [grad_in(m)])
+        compute("B", m)
+        exchange([] if first else [grad_out(m)], [])
+    return tuple(out)
 
 
 def format_plan(plan: Plan) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Iterator, Optional
 
 import torch
@@ -88,6 +88,21 @@ class StageTimer:
         return out
 
 
+LABELS = ("pipe.forward", "pipe.backward", "pipe.exchange")
+"""Profiler ranges of the runtime's compute actions and exchanges (benchmarks/pipeline.py --trace splits a stage's
+time into compute and communication with them)."""
+
+_NO_LABEL = nullcontext()
+
+
+def label(name: str) -> AbstractContextManager:
+    """A ``record_function`` range named ``name`` while a profiler runs, else a shared no-op: a range costs a
+    dispatcher call at entry and exit, host work per micro-batch that an unprofiled step should not pay."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return _NO_LABEL
+
+
 class DeviceReadback:
     """A small device tensor brought to the host without waiting for the device: copied asynchronously
     into pinned memory when put, read (normally a step later, when the copy has long completed) by
@@ -147,4 +162,4 @@ class BubbleStats:
         return min(1.0, max(0.0, 1.0 - busy / span))
 
 
-__all__ = ["StageTimer", "BubbleStats", "DeviceReadback"]
+__all__ = ["StageTimer", "BubbleStats", "DeviceReadback", "LABELS", "label"]

@@ -26,10 +26,13 @@ VOCAB, DIM, SEQ = 37, 24, 8
 ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 FILL_OPS = frozenset({"zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like", "new_full", "ones",
                       "ones_like", "new_ones"})
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal"})
+"""Ops that read a device value on the host (on a GPU each one waits for every kernel queued before it)."""
 
 
 class AllocCounter(TorchDispatchMode):
-    """Counts the allocations and fills (on a GPU each fill is a kernel or a memset) dispatched inside it."""
+    """Counts the allocations, fills (on a GPU each fill is a kernel or a memset) and host synchronisations
+    dispatched inside it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,7 +40,7 @@ class AllocCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func.overloadpacket.__name__
-        if name in ALLOC_OPS or name in FILL_OPS:
+        if name in ALLOC_OPS or name in FILL_OPS or name in SYNC_OPS:
             self.counts[name] += 1
         return func(*args, **(kwargs or {}))
 

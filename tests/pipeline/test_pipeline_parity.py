@@ -220,7 +220,7 @@ def test_batch_not_divisible_by_microbatches_fails_before_training(two_procs: di
 
 
 def _steady_counts(run: dict) -> list[dict[str, int]]:
-    """Per rank, the allocations and fills of a training step, the same in every step after the first (which
+    """Per rank, the allocations, fills and host reads of a training step, the same in every step after the first (which
     allocates the receive buffers and exchanges the activation shapes): validation between steps included."""
     out = []
     for rank in run["per_rank"]:
@@ -236,8 +236,9 @@ def test_no_allocation_or_fill_per_microbatch(two_procs: dict, four_procs: dict)
     GPU): receive buffers come back from pipeline/buffers.py, the loss gradient is one cached tensor, so a
     steady-state step allocates no receive buffer and fills nothing per micro-batch, on every stage:
     2 micro-batches dispatch what 4 do. The fills left are per step: the loss all-reduce buffer and the zero
-    leaf Lightning's backward runs on (runtime.py [Note: Lightning's backward])."""
-    from tests.pipeline.pipe_model import ALLOC_OPS, FILL_OPS
+    leaf Lightning's backward runs on (runtime.py [Note: Lightning's backward]). Nothing in a step, the exchanges
+    included, reads a device value on the host (``.item()``, ``bool(t)``: each a device synchronisation)."""
+    from tests.pipeline.pipe_model import ALLOC_OPS, FILL_OPS, SYNC_OPS
 
     m2, m4 = _steady_counts(two_procs["p2_uneven"]), _steady_counts(two_procs["p2_1f1b"])
     assert m2 == m4  # first stage, last stage: nothing grows with the micro-batches
@@ -245,6 +246,7 @@ def test_no_allocation_or_fill_per_microbatch(two_procs: dict, four_procs: dict)
         for counts in _steady_counts(run):  # middle stages of p4 receive activations and gradients
             assert sum(v for k, v in counts.items() if k in ALLOC_OPS) == 0, counts
             assert sum(v for k, v in counts.items() if k in FILL_OPS) <= 2, counts
+            assert sum(v for k, v in counts.items() if k in SYNC_OPS) == 0, counts  # the host never waits
 
 
 def test_compiled_stages_match_one_process(two_procs: dict, refs: dict) -> None:

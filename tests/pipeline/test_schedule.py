@@ -191,3 +191,53 @@ def test_replay_interleaved() -> None:
         assert bubble == pytest.approx(theoretical_bubble("interleaved", p, m, v))
         worst = max(_replay_nccl(build_plan("interleaved", p, m, v), 1.0 / v, r / v) for r in (1.0, 3.0))
         assert worst < theoretical_bubble("interleaved", p, m, v) + 0.11
+
+
+def _consumed(plan, rank: int, action) -> set[Message]:
+    """Messages ``action`` on ``rank`` reads: the activation of its forward, the gradient of its backward."""
+    v = plan.vstage(rank, action.chunk)
+    if action.op == "F":
+        return {Message("act", action.mb, v - 1, v)} if v > 0 else set()
+    return {Message("grad", action.mb, v + 1, v)} if v < plan.num_virtual - 1 else set()
+
+
+@pytest.mark.parametrize("p,m", CASES)
+def test_1f1b_receives_just_before_need_paired_with_the_last_send(p: int, m: int) -> None:
+    """[Note: paired exchanges of 1F1B]: every receive is posted right before the action that reads it (never a
+    compute action between them), and an exchange that sends to a neighbour also receives what the next action
+    needs from that neighbour (Megatron's send_forward_recv_backward / send_backward_recv_forward), so the
+    steady state posts one batch per action; exchange names are unique per rank."""
+    plan = build_plan("1f1b", p, m)
+    for r in range(p):
+        steps = plan.steps[r]
+        ticks = [s.tick for s in steps if isinstance(s, Exchange)]
+        assert len(ticks) == len(set(ticks))
+        for i, s in enumerate(steps):
+            if not isinstance(s, Exchange):
+                continue
+            nxt = next((c for c in steps[i + 1:] if isinstance(c, Compute)), None)
+            needed = _consumed(plan, r, nxt.action) if nxt else set()
+            assert set(s.recvs) <= needed, (r, s)  # no early receive
+            if i + 1 < len(steps) and isinstance(steps[i + 1], Compute):  # what the next action reads from a peer of this exchange is here
+                peers = {plan.rank_of(x.dst) for x in s.sends} | {plan.rank_of(x.src) for x in s.recvs}
+                assert {x for x in needed if plan.rank_of(x.src) in peers} <= set(s.recvs), (r, s)
+        paired = [s for s in steps if isinstance(s, Exchange) and s.sends and s.recvs]
+        if r == 0:  # after each steady-state forward: send its activation, receive the gradient the backward reads
+            assert len(paired) == m - min(p - 1, m)
+        if r == p - 1:  # after each backward but the last: send its gradient, receive the next activation
+            assert len(paired) == m - 1
+
+
+def test_1f1b_last_stage_runs_its_first_backward_without_waiting_for_the_next_activation() -> None:
+    """The rendezvous the trace showed (benchmarks/RESULTS.md, pp 2): the last stage used to receive micro-batch 1's
+    activation before its first backward. Now its steps are receive, F0, B0, then one batch sending the gradient
+    of 0 and receiving the activation of 1, and the first stage sends activation 1 in the batch receiving gradient 0."""
+    plan = build_plan("1f1b", 2, 8)
+    last = [str(s.action) if isinstance(s, Compute) else (s.sends, s.recvs) for s in plan.steps[1][:5]]
+    assert last == [
+        ((), (Message("act", 0, 0, 1),)), "F0", "B0", ((Message("grad", 0, 1, 0),), (Message("act", 1, 0, 1),)), "F1",
+    ]
+    first = [str(s.action) if isinstance(s, Compute) else (s.sends, s.recvs) for s in plan.steps[0][:5]]
+    assert first == [
+        "F0", ((Message("act", 0, 0, 1),), ()), "F1", ((Message("act", 1, 0, 1),), (Message("grad", 0, 1, 0),)), "B0",
+    ]
