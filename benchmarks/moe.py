@@ -7,6 +7,8 @@ the timed batches and the MoE layers, per rank).
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
 
+Rank 0 prints the JSON line, then the record as a row of the RESULTS.md table (:func:`table_row`).
+
 [Note: all-to-all share] ``collectives.all_to_all_single`` / ``all_to_all`` (the token exchange and its
 count exchange, forward and backward) are wrapped for the timed steps with CUDA events recorded on the
 current stream around each call: the interval covers the exchange and any wait for a slower peer (load
@@ -83,6 +85,29 @@ class A2ATimer:
         return sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
 
 
+def layers_dropped_fraction(module: torch.nn.Module) -> torch.Tensor | None:
+    """The mean over ``module``'s MoE layers of the fraction of assignments their last forward dropped by
+    capacity (a device scalar, not read here: a host read per step would stall the GPU); None without MoE."""
+    stats = [m.last_stats.dropped_fraction for m in module.modules() if getattr(m, "last_stats", None) is not None]
+    return torch.stack(stats).float().mean() if stats else None
+
+
+TABLE_HEADER = ("| config | GPUs | EP | experts | tokens/s | step s | all-to-all share (per rank) "
+                "| dropped fraction (per rank) | peak GiB (per rank) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """``record`` (rank 0's) as a row under :data:`TABLE_HEADER`, the per-rank figures of ``records`` beside."""
+    def ranks(key: str, fmt: str) -> str:
+        return ", ".join(format(r[key], fmt) for r in records)
+
+    return (f"| {record['config']} | {record['world']} | {record['ep']} | {record['experts']} "
+            f"| {record['tokens_per_s']:,.0f} | {record['step_s']:.4f} "
+            f"| {record['all_to_all_share']:.1%} ({ranks('all_to_all_share', '.1%')}) "
+            f"| {record['dropped_fraction']:.2%} ({ranks('dropped_fraction', '.2%')}) "
+            f"| {record['peak_memory_gib']:.1f} ({ranks('peak_memory_gib', '.1f')}) |")
+
+
 class StepClock(L.Callback):
     """Wall time of the steps after ``warmup``, all-to-all timing on for those steps."""
 
@@ -94,10 +119,9 @@ class StepClock(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self.timer.active:
             return
-        stats = [m.last_stats.dropped_fraction for m in pl_module.modules()
-                 if getattr(m, "last_stats", None) is not None]
-        if stats:
-            self.dropped.append(torch.stack(stats).mean())
+        dropped = layers_dropped_fraction(pl_module)
+        if dropped is not None:
+            self.dropped.append(dropped)
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -161,6 +185,8 @@ def main() -> None:
         print(json.dumps({**record, "per_rank_peak_gib": [r["peak_memory_gib"] for r in records],
                           "per_rank_a2a_share": [r["all_to_all_share"] for r in records],
                           "per_rank_dropped_fraction": [r["dropped_fraction"] for r in records]}))
+        print(TABLE_HEADER)
+        print(table_row(record, records))
 
 
 if __name__ == "__main__":
