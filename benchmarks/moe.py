@@ -7,6 +7,8 @@ the timed batches and the MoE layers, per rank).
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
 
+    python -m benchmarks.moe --config moe --local   # one process, no Trainer: see [Note: local overhead]
+
 Rank 0 prints the JSON line, then the record as a row of the RESULTS.md table (:func:`table_row`).
 
 [Note: all-to-all share] ``collectives.all_to_all_single`` / ``all_to_all`` (the token exchange and its
@@ -19,6 +21,7 @@ the sum of those intervals over the timed steps divided by their wall time. Targ
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -108,6 +111,80 @@ def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
             f"| {record['peak_memory_gib']:.1f} ({ranks('peak_memory_gib', '.1f')}) |")
 
 
+class _Experts(torch.nn.Module):
+    """The expert MLPs alone on rows already grouped by expert: what the layer would cost without routing."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.experts = layer.experts
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        chunks = rows.chunk(len(self.experts))
+        return torch.cat([e(c) for e, c in zip(self.experts, chunks)])
+
+
+def local_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """[Note: local overhead] One MoE layer of GPT-1.3B's shape scaled down (``--local-hidden``, seq x micro-batch
+    ``--local-tokens``, ``--experts`` local experts at EP 1, top-1, capacity factor 1.25), forward + backward, on
+    this process's device: the time of the whole layer, of its expert MLPs alone on as many rows, and of the
+    routing alone (the same layer with identity experts: gate, dispatch, combine); for the routing, the operators
+    it issues (torch.profiler, top-level aten ops) and, on CUDA, its host synchronisations (sync debug mode
+    warnings). Best of ``--local-repeats`` forward + backward passes each."""
+    import warnings
+
+    from lightning_zero.moe import MoE
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a shared CPU box: one thread keeps the timings comparable
+    h, n = args.local_hidden, args.local_tokens
+    torch.manual_seed(0)
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))  # noqa
+    layer = MoE(h, mlp, num_experts=args.experts, top_k=1, capacity_factor=1.25, min_capacity=4,
+                dispatch=args.dispatch).to(device)
+    experts = _Experts(layer)
+    x = torch.randn(n, h, device=device, requires_grad=True)
+    rows = torch.randn(n, h, device=device, requires_grad=True)
+
+    def step(fn: Any, inp: torch.Tensor) -> None:
+        fn(inp).sum().backward()
+
+    def timed(fn: Any, inp: torch.Tensor) -> float:
+        for _ in range(2):
+            step(fn, inp)
+        best = float("inf")
+        for _ in range(args.local_repeats):
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            step(fn, inp)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    routing = copy.deepcopy(layer)  # the same routing with identity experts: the gate, dispatch and combine alone
+    routing.experts = torch.nn.ModuleList(torch.nn.Identity() for _ in layer.experts)
+    layer_s, experts_s, routing_s = timed(layer, x), timed(experts, rows), timed(routing, x)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(routing, x)
+    ops = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+    syncs = None
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step(routing, x)
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"mode": "local", "dispatch": args.dispatch, "hidden": h, "tokens": n, "experts": args.experts,
+            "layer_ms": layer_s * 1e3, "experts_ms": experts_s * 1e3, "routing_ms": routing_s * 1e3,
+            "routing_over_experts": routing_s / experts_s, "layer_over_experts": layer_s / experts_s,
+            "routing_top_level_ops": ops, "routing_host_syncs": syncs,
+            "dropped_fraction": float(layer.last_stats.dropped_fraction), "device": str(device)}
+
+
 class StepClock(L.Callback):
     """Wall time of the steps after ``warmup``, all-to-all timing on for those steps."""
 
@@ -148,7 +225,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
+    p.add_argument("--dispatch", choices=["sorted", "capacity"], default="sorted",
+                   help="--local only: the MoE layer's dispatch (lightning_zero/moe/dispatch.py)")
+    p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
+    p.add_argument("--local-hidden", type=int, default=512)
+    p.add_argument("--local-tokens", type=int, default=4096)
+    p.add_argument("--local-repeats", type=int, default=5)
     args = p.parse_args()
+    if args.local:
+        print(json.dumps(local_overhead(args)))
+        return
     if args.smoke:
         args.micro_batch, args.steps, args.warmup = 2, 4, 1
     world = int(os.environ.get("WORLD_SIZE", "1"))

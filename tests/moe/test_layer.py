@@ -123,3 +123,27 @@ def test_bad_expert_factory_and_input_fail_clearly() -> None:
     layer = MoE(H, lambda: MLP(H), num_experts=2)
     with pytest.raises(ValueError, match=r"expects inputs \[\.\.\., 6\]"):
         layer(torch.randn(4, H + 1))
+
+
+@pytest.mark.parametrize("top_k,factor,tokens", [(1, 0.75, 21), (2, 0.5, 21), (1, 1.5, 21), (2, 1.0, 1), (1, 1.0, 0)])
+def test_fixed_capacity_dispatch_equals_sorted_dispatch(top_k: int, factor: float, tokens: int) -> None:
+    """moe/capacity.py on one process: the sorted dispatch's outputs and gradients (an empty batch included)."""
+    layer, twin = _pair(top_k, True, factor)
+    twin.dispatch = "capacity"
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(5))
+    probe = torch.randn(tokens, H, generator=torch.Generator().manual_seed(6))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_a, out_b = layer(xa), twin(xb)
+    ((out_a * probe).sum() + layer.aux_loss).backward()
+    ((out_b * probe).sum() + twin.aux_loss).backward()
+    torch.testing.assert_close(out_b, out_a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=1e-6)
+    for (name, a), (_, b) in zip(layer.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fixed_capacity_dispatch_needs_token_dropping() -> None:
+    with pytest.raises(ValueError, match="dispatch='capacity' needs drop_tokens=True"):
+        MoE(H, lambda: MLP(H), num_experts=4, drop_tokens=False, dispatch="capacity")
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        MoE(H, lambda: MLP(H), num_experts=4, dispatch="dense")
