@@ -138,7 +138,9 @@ def topk_gating(
     if top_k == 2:
         picks.append(torch.argmax(choose.scatter(1, first.unsqueeze(1), float("-inf")), dim=1))
     experts = torch.stack(picks, dim=1)  # [tokens, k]
-    mask = F.one_hot(experts, num_experts)  # [tokens, k, E]
+    # [tokens, k, E]; scattered, not F.one_hot, which off CUDA reads the indices' min and max on the host
+    mask = torch.zeros(tokens, top_k, num_experts, dtype=torch.long, device=logits.device).scatter_(
+        2, experts.unsqueeze(2), 1)
 
     # Slots in token order, all first choices before the second ones (see [Note: capacity]).
     by_choice = mask.transpose(0, 1).reshape(top_k * tokens, num_experts)

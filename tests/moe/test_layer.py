@@ -147,3 +147,34 @@ def test_fixed_capacity_dispatch_needs_token_dropping() -> None:
         MoE(H, lambda: MLP(H), num_experts=4, drop_tokens=False, dispatch="capacity")
     with pytest.raises(ValueError, match="dispatch must be one of"):
         MoE(H, lambda: MLP(H), num_experts=4, dispatch="dense")
+
+
+class _HostReads:
+    """Counts ``Tensor.tolist`` / ``Tensor.item`` calls (the dispatch's ways of reading the device on the host)
+    and, through torch.profiler, the operators that read it implicitly (boolean indexing's ``nonzero``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        for name in ("tolist", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t: torch.Tensor, *args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("dispatch,reads", [("sorted", 1), ("capacity", 0)])
+def test_host_reads_per_forward_and_backward(monkeypatch: pytest.MonkeyPatch, dispatch: str, reads: int) -> None:
+    """dispatch.py [Note: one host read per layer]; capacity.py [Note: fixed-capacity dispatch]: none."""
+    layer = MoE(H, lambda: MLP(H), num_experts=4, top_k=2, capacity_factor=0.75, min_capacity=1, dispatch=dispatch)
+    x = torch.randn(19, H, requires_grad=True)
+    counter = _HostReads(monkeypatch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (layer(x).sum() + layer.aux_loss).backward()
+    assert counter.calls == reads
+    names = {e.name for e in prof.events()}
+    assert "aten::nonzero" not in names  # no boolean-mask indexing
+    if not reads:  # (tolist itself shows as aten::item on CPU)
+        assert not names & {"aten::_local_scalar_dense", "aten::item"}
