@@ -78,6 +78,29 @@ def _load_local(layer: MoE, state: dict) -> None:
     layer.load_state_dict(local)
 
 
+def _host_reads(rank: int, group, case: dict, dispatch: str) -> int:
+    """``Tensor.tolist`` / ``item`` calls in one expert-parallel forward + backward (dispatch.py [Note: one
+    host read per layer]: the sent and received counts are read together)."""
+    layer = _layer(2, True, 1.25, ep_group=group, dispatch=dispatch)
+    calls = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+    def counting(original):
+        def counted(t, *args, **kwargs):
+            calls[0] += 1
+            return original(t, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        layer(case["xs"][rank]).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return calls[0]
+
+
 def _capacity_vs_sorted(rank: int, group, case: dict, top_k: int, factor: float) -> dict:
     """The same tokens through the sorted and the fixed-capacity dispatch: outputs and gradients of each."""
     got = {}
@@ -115,6 +138,8 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         )
     for name, (top_k, factor) in CAPACITY_CASES.items():
         results[name] = _capacity_vs_sorted(rank, group, inputs[name], top_k, factor)
+    results["host_reads"] = {dispatch: _host_reads(rank, group, inputs["cap_top2"], dispatch)
+                             for dispatch in ("sorted", "capacity")}
     try:
         MoE(H, lambda: MLP(H), num_experts=3, ep_group=group)
         results["bad_ep"] = None
@@ -202,6 +227,11 @@ def test_fixed_capacity_dispatch_equals_sorted_dispatch(run: tuple[dict, list[di
         assert max(drops) > 0
     if name.endswith("_roomy"):  # and where nothing is dropped, unfilled slots only
         assert max(drops) == 0
+
+
+def test_one_host_read_per_layer_under_expert_parallelism(run: tuple[dict, list[dict]]) -> None:
+    for res in run[1]:
+        assert res["host_reads"] == {"sorted": 1, "capacity": 0}
 
 
 def test_skewed_routing_leaves_rank1_idle_with_zero_gradients(run: tuple[dict, list[dict]]) -> None:
