@@ -7,6 +7,7 @@ the timed batches and the MoE layers, per rank).
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
 
+    torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --dispatch capacity   # fixed-capacity buffers
     python -m benchmarks.moe --config moe --local   # one process, no Trainer: see [Note: local overhead]
 
 Rank 0 prints the JSON line, then the record as a row of the RESULTS.md table (:func:`table_row`).
@@ -36,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import lightning_zero  # noqa: E402
 from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
+from lightning_zero.moe import MoE  # noqa: E402
 
 GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024)
 SMOKE = dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=64)
@@ -104,7 +106,8 @@ def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
     def ranks(key: str, fmt: str) -> str:
         return ", ".join(format(r[key], fmt) for r in records)
 
-    return (f"| {record['config']} | {record['world']} | {record['ep']} | {record['experts']} "
+    config = record["config"] + (f" ({record['dispatch']})" if record.get("dispatch") else "")
+    return (f"| {config} | {record['world']} | {record['ep']} | {record['experts']} "
             f"| {record['tokens_per_s']:,.0f} | {record['step_s']:.4f} "
             f"| {record['all_to_all_share']:.1%} ({ranks('all_to_all_share', '.1%')}) "
             f"| {record['dropped_fraction']:.2%} ({ranks('dropped_fraction', '.2%')}) "
@@ -131,8 +134,6 @@ def local_overhead(args: argparse.Namespace) -> dict[str, Any]:
     it issues (torch.profiler, top-level aten ops) and, on CUDA, its host synchronisations (sync debug mode
     warnings). Best of ``--local-repeats`` forward + backward passes each."""
     import warnings
-
-    from lightning_zero.moe import MoE
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
@@ -226,7 +227,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
     p.add_argument("--dispatch", choices=["sorted", "capacity"], default="sorted",
-                   help="--local only: the MoE layer's dispatch (lightning_zero/moe/dispatch.py)")
+                   help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
     p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
     p.add_argument("--local-hidden", type=int, default=512)
     p.add_argument("--local-tokens", type=int, default=4096)
@@ -244,6 +245,9 @@ def main() -> None:
     ep = args.ep if moe else 1
     L.seed_everything(0)
     module = GPTModule(cfg, max_steps=args.steps, fused=not args.smoke, warmup_steps=2, expert_parallel=ep)
+    for layer in module.modules():  # the layers exist by now (not deferred); capacity needs drop_tokens (default)
+        if isinstance(layer, MoE):
+            layer.dispatch = args.dispatch
     timer = A2ATimer(cuda=not args.smoke)
     clock = StepClock(args.warmup, timer)
     trainer = L.Trainer(
@@ -259,7 +263,8 @@ def main() -> None:
     a2a = timer.seconds()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     record = {
-        "config": args.config, "experts": cfg.moe_experts, "ep": ep, "world": world, "micro_batch": args.micro_batch,
+        "config": args.config, "dispatch": args.dispatch if moe else None, "experts": cfg.moe_experts, "ep": ep,
+        "world": world, "micro_batch": args.micro_batch,
         "params_per_rank": sum(p.numel() for p in module.parameters()),
         "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),
         "peak_memory_gib": peak, "all_to_all_share": a2a / clock.elapsed if moe else 0.0,

@@ -35,9 +35,10 @@ def test_dropped_fraction_is_the_mean_over_moe_layers() -> None:
 
 
 def test_table_row_carries_the_dropped_fraction() -> None:
-    records = [dict(config="moe", world=2, ep=2, experts=8, tokens_per_s=91381.4, step_s=0.179,
+    records = [dict(config="moe", dispatch="capacity", world=2, ep=2, experts=8, tokens_per_s=91381.4, step_s=0.179,
                     all_to_all_share=0.108, dropped_fraction=frac, peak_memory_gib=42.8) for frac in (0.0312, 0.05)]
     row = table_row(records[0], records)
-    assert row == ("| moe | 2 | 2 | 8 | 91,381 | 0.1790 | 10.8% (10.8%, 10.8%) | 3.12% (3.12%, 5.00%) "
+    assert row == ("| moe (capacity) | 2 | 2 | 8 | 91,381 | 0.1790 | 10.8% (10.8%, 10.8%) | 3.12% (3.12%, 5.00%) "
                    "| 42.8 (42.8, 42.8) |")
     assert row.count("|") == TABLE_HEADER.splitlines()[0].count("|")
+    assert table_row({**records[0], "config": "dense", "dispatch": None}, records).startswith("| dense | 2 |")
