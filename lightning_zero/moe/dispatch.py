@@ -19,7 +19,8 @@ With an expert-parallel (EP) group of ``P`` ranks, each rank holds ``E / P`` con
 Why uneven splits rather than DeepSpeed's padded ``[E, capacity, hidden]`` exchange: no padding travels,
 and without token dropping no rank has to agree on a common capacity first (DeepSpeed all-reduces the
 maximum load over the EP group for that). The price is one small exchange of counts and a host read
-of them (split sizes are Python ints).
+of them (split sizes are Python ints). The padded exchange exists too, as ``MoE(dispatch="capacity")``
+(capacity.py [Note: fixed-capacity dispatch]): no host read, padding computed and sent.
 
 [Note: one host read per layer]
 Split sizes must be Python ints, so a layer reads its per-expert counts from the device once (across an
