@@ -7,6 +7,11 @@ the timed batches and the MoE layers, per rank).
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
 
+    torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --dispatch capacity   # fixed-capacity buffers
+    python -m benchmarks.moe --config moe --local   # one process, no Trainer: see [Note: local overhead]
+
+Rank 0 prints the JSON line, then the record as a row of the RESULTS.md table (:func:`table_row`).
+
 [Note: all-to-all share] ``collectives.all_to_all_single`` / ``all_to_all`` (the token exchange and its
 count exchange, forward and backward) are wrapped for the timed steps with CUDA events recorded on the
 current stream around each call: the interval covers the exchange and any wait for a slower peer (load
@@ -17,6 +22,7 @@ the sum of those intervals over the timed steps divided by their wall time. Targ
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -31,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 import lightning_zero  # noqa: E402
 from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
+from lightning_zero.moe import MoE  # noqa: E402
 
 GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024)
 SMOKE = dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=64)
@@ -83,6 +90,102 @@ class A2ATimer:
         return sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
 
 
+def layers_dropped_fraction(module: torch.nn.Module) -> torch.Tensor | None:
+    """The mean over ``module``'s MoE layers of the fraction of assignments their last forward dropped by
+    capacity (a device scalar, not read here: a host read per step would stall the GPU); None without MoE."""
+    stats = [m.last_stats.dropped_fraction for m in module.modules() if getattr(m, "last_stats", None) is not None]
+    return torch.stack(stats).float().mean() if stats else None
+
+
+TABLE_HEADER = ("| config | GPUs | EP | experts | tokens/s | step s | all-to-all share (per rank) "
+                "| dropped fraction (per rank) | peak GiB (per rank) |\n|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    """``record`` (rank 0's) as a row under :data:`TABLE_HEADER`, the per-rank figures of ``records`` beside."""
+    def ranks(key: str, fmt: str) -> str:
+        return ", ".join(format(r[key], fmt) for r in records)
+
+    config = record["config"] + (f" ({record['dispatch']})" if record.get("dispatch") else "")
+    return (f"| {config} | {record['world']} | {record['ep']} | {record['experts']} "
+            f"| {record['tokens_per_s']:,.0f} | {record['step_s']:.4f} "
+            f"| {record['all_to_all_share']:.1%} ({ranks('all_to_all_share', '.1%')}) "
+            f"| {record['dropped_fraction']:.2%} ({ranks('dropped_fraction', '.2%')}) "
+            f"| {record['peak_memory_gib']:.1f} ({ranks('peak_memory_gib', '.1f')}) |")
+
+
+class _Experts(torch.nn.Module):
+    """The expert MLPs alone on rows already grouped by expert: what the layer would cost without routing."""
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__()
+        self.experts = layer.experts
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        chunks = rows.chunk(len(self.experts))
+        return torch.cat([e(c) for e, c in zip(self.experts, chunks)])
+
+
+def local_overhead(args: argparse.Namespace) -> dict[str, Any]:
+    """[Note: local overhead] One MoE layer of GPT-1.3B's shape scaled down (``--local-hidden``, seq x micro-batch
+    ``--local-tokens``, ``--experts`` local experts at EP 1, top-1, capacity factor 1.25), forward + backward, on
+    this process's device: the time of the whole layer, of its expert MLPs alone on as many rows, and of the
+    routing alone (the same layer with identity experts: gate, dispatch, combine); for the routing, the operators
+    it issues (torch.profiler, top-level aten ops) and, on CUDA, its host synchronisations (sync debug mode
+    warnings). Best of ``--local-repeats`` forward + backward passes each."""
+    import warnings
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a shared CPU box: one thread keeps the timings comparable
+    h, n = args.local_hidden, args.local_tokens
+    torch.manual_seed(0)
+    mlp = lambda: torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))  # noqa
+    layer = MoE(h, mlp, num_experts=args.experts, top_k=1, capacity_factor=1.25, min_capacity=4,
+                dispatch=args.dispatch).to(device)
+    experts = _Experts(layer)
+    x = torch.randn(n, h, device=device, requires_grad=True)
+    rows = torch.randn(n, h, device=device, requires_grad=True)
+
+    def step(fn: Any, inp: torch.Tensor) -> None:
+        fn(inp).sum().backward()
+
+    def timed(fn: Any, inp: torch.Tensor) -> float:
+        for _ in range(2):
+            step(fn, inp)
+        best = float("inf")
+        for _ in range(args.local_repeats):
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t = time.perf_counter()
+            step(fn, inp)
+            sync()
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    routing = copy.deepcopy(layer)  # the same routing with identity experts: the gate, dispatch and combine alone
+    routing.experts = torch.nn.ModuleList(torch.nn.Identity() for _ in layer.experts)
+    layer_s, experts_s, routing_s = timed(layer, x), timed(experts, rows), timed(routing, x)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(routing, x)
+    ops = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+    syncs = None
+    if device.type == "cuda":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step(routing, x)
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return {"mode": "local", "dispatch": args.dispatch, "hidden": h, "tokens": n, "experts": args.experts,
+            "layer_ms": layer_s * 1e3, "experts_ms": experts_s * 1e3, "routing_ms": routing_s * 1e3,
+            "routing_over_experts": routing_s / experts_s, "layer_over_experts": layer_s / experts_s,
+            "routing_top_level_ops": ops, "routing_host_syncs": syncs,
+            "dropped_fraction": float(layer.last_stats.dropped_fraction), "device": str(device)}
+
+
 class StepClock(L.Callback):
     """Wall time of the steps after ``warmup``, all-to-all timing on for those steps."""
 
@@ -94,10 +197,9 @@ class StepClock(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self.timer.active:
             return
-        stats = [m.last_stats.dropped_fraction for m in pl_module.modules()
-                 if getattr(m, "last_stats", None) is not None]
-        if stats:
-            self.dropped.append(torch.stack(stats).mean())
+        dropped = layers_dropped_fraction(pl_module)
+        if dropped is not None:
+            self.dropped.append(dropped)
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -124,7 +226,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
+    p.add_argument("--dispatch", choices=["sorted", "capacity"], default="sorted",
+                   help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
+    p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
+    p.add_argument("--local-hidden", type=int, default=512)
+    p.add_argument("--local-tokens", type=int, default=4096)
+    p.add_argument("--local-repeats", type=int, default=5)
     args = p.parse_args()
+    if args.local:
+        print(json.dumps(local_overhead(args)))
+        return
     if args.smoke:
         args.micro_batch, args.steps, args.warmup = 2, 4, 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -134,6 +245,9 @@ def main() -> None:
     ep = args.ep if moe else 1
     L.seed_everything(0)
     module = GPTModule(cfg, max_steps=args.steps, fused=not args.smoke, warmup_steps=2, expert_parallel=ep)
+    for layer in module.modules():  # the layers exist by now (not deferred); capacity needs drop_tokens (default)
+        if isinstance(layer, MoE):
+            layer.dispatch = args.dispatch
     timer = A2ATimer(cuda=not args.smoke)
     clock = StepClock(args.warmup, timer)
     trainer = L.Trainer(
@@ -149,7 +263,8 @@ def main() -> None:
     a2a = timer.seconds()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     record = {
-        "config": args.config, "experts": cfg.moe_experts, "ep": ep, "world": world, "micro_batch": args.micro_batch,
+        "config": args.config, "dispatch": args.dispatch if moe else None, "experts": cfg.moe_experts, "ep": ep,
+        "world": world, "micro_batch": args.micro_batch,
         "params_per_rank": sum(p.numel() for p in module.parameters()),
         "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),
         "peak_memory_gib": peak, "all_to_all_share": a2a / clock.elapsed if moe else 0.0,
@@ -161,6 +276,8 @@ def main() -> None:
         print(json.dumps({**record, "per_rank_peak_gib": [r["peak_memory_gib"] for r in records],
                           "per_rank_a2a_share": [r["all_to_all_share"] for r in records],
                           "per_rank_dropped_fraction": [r["dropped_fraction"] for r in records]}))
+        print(TABLE_HEADER)
+        print(table_row(record, records))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 What exists: the :class:`MoE` layer (``layer.py``) with top-1 / top-2 gating, capacity-based token
 dropping or none, noisy gating and the load-balancing auxiliary loss (``gating.py``), and the
 expert-parallel dispatch: tokens exchanged with uneven all-to-all over an ``ep_group`` that the caller
-creates, each rank running its ``num_experts / ep_size`` local experts (``dispatch.py``). A
+creates, each rank running its ``num_experts / ep_size`` local experts (``dispatch.py``), or, with
+``MoE(dispatch="capacity")``, through fixed ``[E, capacity]`` buffers and no host read (``capacity.py``). A
 LightningModule adds :func:`aux_loss` of itself to its loss; ``layer.last_stats`` has per-expert token
 counts and the dropped fraction for logging.
 

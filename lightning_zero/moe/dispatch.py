@@ -19,11 +19,13 @@ With an expert-parallel (EP) group of ``P`` ranks, each rank holds ``E / P`` con
 Why uneven splits rather than DeepSpeed's padded ``[E, capacity, hidden]`` exchange: no padding travels,
 and without token dropping no rank has to agree on a common capacity first (DeepSpeed all-reduces the
 maximum load over the EP group for that). The price is one small exchange of counts and a host read
-of them (split sizes are Python ints).
+of them (split sizes are Python ints). The padded exchange exists too, as ``MoE(dispatch="capacity")``
+(capacity.py [Note: fixed-capacity dispatch]): no host read, padding computed and sent.
 
 [Note: one host read per layer]
-Split sizes must be Python ints, so a layer reads its per-expert counts from the device once (and, across
-an EP group, the received counts once more); every other index is computed on the device. Boolean-mask
+Split sizes must be Python ints, so a layer reads its per-expert counts from the device once (across an
+EP group, after the count exchange, together with the received counts: one read, not one before the
+exchange and one after); every other index is computed on the device. Boolean-mask
 indexing (``t[kept]``) is a host read too (its output size is data-dependent): selecting the kept
 assignments that way cost three more per layer, 85 stream synchronisations per step of a 12-MoE-layer
 GPT on one H100, each leaving the GPU idle while the host queued the next kernels. Dropped assignments
@@ -109,7 +111,10 @@ def dispatch_combine(
     order = torch.sort(key, stable=True).indices
     # counted by index_add, not bincount: bincount reads the largest key on the host to size its output
     counts_all = torch.zeros(num_experts + 1, dtype=key.dtype, device=key.device).index_add_(0, key, torch.ones_like(key))
-    counts = counts_all.tolist()[:num_experts]  # the host read: split sizes are Python ints
+    if world == 1:
+        counts = counts_all.tolist()[:num_experts]  # the host read: split sizes are Python ints
+    else:
+        counts, recv_counts, recv = _exchange_counts(counts_all[:num_experts], group)
     order = order[: sum(counts)]
     token_of = order % max(num_tokens, 1)  # choice-major: assignment i is token i mod tokens
     weight_of = routing.weights.t().reshape(-1).index_select(0, order)
@@ -118,22 +123,31 @@ def dispatch_combine(
     if world == 1:
         out_rows = run_experts(rows, counts, experts)
     else:
-        out_rows = _expert_parallel(rows, counts_all[:num_experts], counts, experts, world, group)
+        out_rows = _expert_parallel(rows, counts, recv_counts, recv, experts, world, group)
 
     weighted = out_rows * weight_of.to(out_rows.dtype).unsqueeze(1)
     return weighted.new_zeros((num_tokens,) + tuple(weighted.shape[1:])).index_add(0, token_of, weighted)
 
 
-def _expert_parallel(rows: Tensor, counts: Tensor, host_counts: list[int], experts: nn.ModuleList, world: int,
-                     group: Optional[C.ProcessGroup]) -> Tensor:
-    """Steps 2-5 of [Note: expert-parallel dispatch]: ``rows`` sorted by global expert, ``counts`` per
-    global expert (on the device and, ``host_counts``, on the host); returns the experts' outputs for
-    ``rows``, in the same order."""
-    local = len(experts)
+def _exchange_counts(counts: Tensor, group: Optional[C.ProcessGroup]) -> tuple[list[int], Tensor, list[int]]:
+    """Step 2 of [Note: expert-parallel dispatch]: this rank's rows per global expert (``counts``, on the
+    device) and, from the equal-split exchange, the rows it receives, ``[i * local + j]`` from rank ``i`` for
+    its local expert ``j`` (on the device, and on the host). Both are read on the host together, after the
+    exchange: one host read per layer under expert parallelism too, where a read before the exchange and
+    another after it left the GPU idle twice ([Note: one host read per layer])."""
     send_counts = counts.to(C.device_for(group, counts.device))
     recv_counts = torch.empty_like(send_counts)
-    C.all_to_all(recv_counts, send_counts, group)  # recv_counts[i * local + j]: rows from rank i for expert j
-    recv = recv_counts.tolist()  # the second host read ([Note: one host read per layer])
+    C.all_to_all(recv_counts, send_counts, group)
+    both = torch.cat([send_counts, recv_counts]).tolist()
+    return both[: counts.numel()], recv_counts, both[counts.numel():]
+
+
+def _expert_parallel(rows: Tensor, host_counts: list[int], recv_counts: Tensor, recv: list[int],
+                     experts: nn.ModuleList, world: int, group: Optional[C.ProcessGroup]) -> Tensor:
+    """Steps 3-5 of [Note: expert-parallel dispatch]: ``rows`` sorted by global expert, ``host_counts`` of
+    them per global expert, ``recv_counts`` / ``recv`` the rows received per (source rank, local expert), on
+    the device / host (:func:`_exchange_counts`); returns the experts' outputs for ``rows``, in the same order."""
+    local = len(experts)
     in_splits = [sum(host_counts[r * local : (r + 1) * local]) for r in range(world)]
     out_splits = [sum(recv[r * local : (r + 1) * local]) for r in range(world)]
 

@@ -136,16 +136,19 @@ def topk_gating(
     first = torch.argmax(choose if top_k == 1 else gates, dim=1)
     picks = [first]
     if top_k == 2:
-        picks.append(torch.argmax(choose.masked_fill(F.one_hot(first, num_experts).bool(), float("-inf")), dim=1))
+        picks.append(torch.argmax(choose.scatter(1, first.unsqueeze(1), float("-inf")), dim=1))
     experts = torch.stack(picks, dim=1)  # [tokens, k]
-    mask = F.one_hot(experts, num_experts)  # [tokens, k, E]
+    # [tokens, k, E]; scattered, not F.one_hot, which off CUDA reads the indices' min and max on the host
+    mask = torch.zeros(tokens, top_k, num_experts, dtype=torch.long, device=logits.device).scatter_(
+        2, experts.unsqueeze(2), 1)
 
     # Slots in token order, all first choices before the second ones (see [Note: capacity]).
     by_choice = mask.transpose(0, 1).reshape(top_k * tokens, num_experts)
     # the running count of each expert's assignments, scanned along a contiguous row per expert: a scan over
-    # dim 0 of [tokens, E] runs E serial columns (1.3 ms per layer for 8192 tokens, E=4, on an H100)
-    running = torch.cumsum(by_choice.t().contiguous(), dim=1).t()
-    slots_flat = ((running - 1) * by_choice).sum(dim=1)
+    # dim 0 of [tokens, E] runs E serial columns (1.3 ms per layer for 8192 tokens, E=4, on an H100); an
+    # assignment's slot is its expert's count before it, gathered (not masked and summed over E)
+    running = torch.cumsum(by_choice.t().contiguous(), dim=1)  # [E, k * tokens]
+    slots_flat = running.gather(0, experts.t().reshape(1, -1)).squeeze(0) - 1
     slots = slots_flat.view(top_k, tokens).t()
 
     expert_counts = mask.sum(dim=(0, 1))
@@ -163,7 +166,7 @@ def topk_gating(
     # Sums over max(tokens, 1): a rank with an empty micro-batch still takes part in the expert-parallel
     # exchange, and gets a zero auxiliary loss and dropped fraction rather than NaNs.
     me = gates.sum(dim=0) / max(tokens, 1)
-    ce = mask[:, 0].float().sum(dim=0) / max(tokens, 1)
+    ce = (expert_counts if top_k == 1 else mask[:, 0].sum(dim=0)).float() / max(tokens, 1)
     aux_loss = (me * ce).sum() * num_experts
     dropped = (~kept).sum().float() / max(kept.numel(), 1)
     return Routing(experts=experts, slots=slots, kept=kept, weights=chosen, capacity=capacity,

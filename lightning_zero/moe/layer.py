@@ -26,8 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.moe.capacity import capacity_dispatch_combine
 from lightning_zero.moe.dispatch import dispatch_combine
 from lightning_zero.moe.gating import TopKGate, validate_gate_args
+
+
+DISPATCHES = ("sorted", "capacity")
+"""Values of ``MoE(dispatch=...)``: dispatch.py's sorted, host-read split sizes; capacity.py's fixed buffers."""
 
 
 @dataclass
@@ -65,6 +70,11 @@ class MoE(nn.Module):
             ep_size`` experts and waits for :meth:`set_ep_group`, which ``ZeroStrategy(expert_parallel=
             ep_size)`` calls at setup (moe/parallel.py [Note: who tells a layer its group]). Default: the
             group's size, or 1.
+        dispatch: ``'sorted'`` (default): kept assignments sorted by expert, experts compute only those rows,
+            split sizes read on the host once per layer (dispatch.py [Note: one host read per layer]);
+            ``'capacity'``: fixed ``[E, capacity]`` buffers, no host read, experts compute every slot
+            (capacity.py [Note: fixed-capacity dispatch]: needs ``drop_tokens=True`` and, under expert
+            parallelism, the same number of tokens per forward on every rank of the group).
     """
 
     def __init__(
@@ -81,10 +91,16 @@ class MoE(nn.Module):
         aux_loss_coef: float = 0.01,
         ep_group: Optional[C.ProcessGroup] = None,
         ep_size: Optional[int] = None,
+        dispatch: str = "sorted",
     ) -> None:
         super().__init__()
         validate_gate_args(hidden_size, num_experts, top_k, capacity_factor, eval_capacity_factor, min_capacity,
                            noisy_gate_policy)
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        if dispatch == "capacity" and not drop_tokens:
+            raise ValueError("dispatch='capacity' needs drop_tokens=True: without dropping the capacity is the "
+                             "largest expert load, known only after a host read; use dispatch='sorted'.")
         if isinstance(expert, nn.Module):  # DeepSpeed's form: copies of one module
             template = expert
             expert = lambda: copy.deepcopy(template)  # noqa: E731
@@ -103,6 +119,7 @@ class MoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.aux_loss_coef = aux_loss_coef
+        self.dispatch = dispatch
         self.ep_group = ep_group
         self.ep_size = ep_size
         self.ep_rank = C.rank(ep_group) if ep_group is not None else 0
@@ -160,14 +177,15 @@ class MoE(nn.Module):
                 "ep_group= (e.g. trainer.strategy.expert_parallel_group in configure_model).")
         tokens = x.reshape(-1, self.hidden_size)
         routing = self.gate(tokens)
-        out = dispatch_combine(tokens, routing, self.experts, self.ep_group)
+        combine = capacity_dispatch_combine if self.dispatch == "capacity" else dispatch_combine
+        out = combine(tokens, routing, self.experts, self.ep_group)
         self.aux_loss = routing.aux_loss * self.aux_loss_coef
         self.last_stats = MoEStats(routing.expert_counts, routing.dropped_fraction.detach(), routing.capacity)
         return out.view(x.shape[:-1] + out.shape[-1:]).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, local={self.num_local_experts}, ep_size={self.ep_size}, "
-                f"aux_loss_coef={self.aux_loss_coef}")
+                f"aux_loss_coef={self.aux_loss_coef}, dispatch={self.dispatch}")
 
 
 def aux_loss(module: nn.Module) -> Tensor:

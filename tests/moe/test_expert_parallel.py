@@ -8,6 +8,10 @@ rank that holds it) and the sum over ranks of the gate's gradient must agree wit
 dropping the capacity is per rank, as in DeepSpeed, so there the oracle runs the single-process layer
 on each rank's tokens separately. A skewed gate that sends every token to rank 0's experts checks the
 edge of a rank that receives nothing (its experts still run, on zero rows, and get zero gradients).
+
+The fixed-capacity dispatch (``dispatch="capacity"``, moe/capacity.py) is checked in the same launch against
+the sorted one on the same weights and tokens (equal token counts per rank, as it requires): outputs, token
+gradients and every parameter gradient within 1e-6, with top-1 and top-2 and with and without drops.
 """
 
 from __future__ import annotations
@@ -35,9 +39,15 @@ CASES = {  # name: (top_k, drop_tokens, capacity_factor, skewed gate)
 }
 
 
-def _layer(top_k: int, drop: bool, factor: float, ep_group=None) -> MoE:
+CAPACITY_TOKENS = (3, 4)  # [batch, seq] on both ranks: the fixed-capacity exchange needs equal token counts
+CAPACITY_CASES = {  # name: (top_k, capacity_factor)
+    "cap_top1_drop": (1, 0.5), "cap_top2_drop": (2, 0.5), "cap_top1_roomy": (1, 2.0), "cap_top2": (2, 1.25),
+}
+
+
+def _layer(top_k: int, drop: bool, factor: float, ep_group=None, dispatch: str = "sorted") -> MoE:
     return MoE(H, lambda: MLP(H), num_experts=E, top_k=top_k, capacity_factor=factor, eval_capacity_factor=factor,
-               min_capacity=1, drop_tokens=drop, aux_loss_coef=1.0, ep_group=ep_group)
+               min_capacity=1, drop_tokens=drop, aux_loss_coef=1.0, ep_group=ep_group, dispatch=dispatch)
 
 
 def _inputs() -> dict:
@@ -52,7 +62,57 @@ def _inputs() -> dict:
                 layer.gate.weight[2:] = -5.0
         probes = [torch.randn(*shape, H) for shape in TOKENS]
         cases[name] = dict(state=layer.state_dict(), xs=xs, probes=probes)
+    for name, (top_k, factor) in CAPACITY_CASES.items():
+        layer = _layer(top_k, True, factor)
+        cases[name] = dict(state=layer.state_dict(), xs=[torch.randn(*CAPACITY_TOKENS, H) for _ in range(WORLD)],
+                           probes=[torch.randn(*CAPACITY_TOKENS, H) for _ in range(WORLD)])
     return cases
+
+
+def _load_local(layer: MoE, state: dict) -> None:
+    """``state`` (all E experts, global names) -> ``layer``'s local experts."""
+    local = {k: v for k, v in state.items() if not k.startswith("experts.")}
+    for j in range(layer.num_local_experts):
+        prefix = f"experts.{layer.global_expert_index(j)}."
+        local.update({f"experts.{j}." + k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    layer.load_state_dict(local)
+
+
+def _host_reads(rank: int, group, case: dict, dispatch: str) -> int:
+    """``Tensor.tolist`` / ``item`` calls in one expert-parallel forward + backward (dispatch.py [Note: one
+    host read per layer]: the sent and received counts are read together)."""
+    layer = _layer(2, True, 1.25, ep_group=group, dispatch=dispatch)
+    calls = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "item")}
+
+    def counting(original):
+        def counted(t, *args, **kwargs):
+            calls[0] += 1
+            return original(t, *args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(original))
+    try:
+        layer(case["xs"][rank]).sum().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return calls[0]
+
+
+def _capacity_vs_sorted(rank: int, group, case: dict, top_k: int, factor: float) -> dict:
+    """The same tokens through the sorted and the fixed-capacity dispatch: outputs and gradients of each."""
+    got = {}
+    for dispatch in ("sorted", "capacity"):
+        layer = _layer(top_k, True, factor, ep_group=group, dispatch=dispatch)
+        _load_local(layer, case["state"])
+        x = case["xs"][rank].clone().requires_grad_()
+        out = layer(x)
+        (out * case["probes"][rank]).sum().backward()
+        got[dispatch] = dict(out=out.detach(), x_grad=x.grad, dropped=float(layer.last_stats.dropped_fraction),
+                             grads={n: p.grad.clone() for n, p in layer.named_parameters()})
+    return got
 
 
 def _worker(rank: int, port: int, tmp: str) -> None:
@@ -64,12 +124,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     for name, (top_k, drop, factor, _) in CASES.items():
         case = inputs[name]
         layer = _layer(top_k, drop, factor, ep_group=group)
-        local = {k: v for k, v in case["state"].items() if not k.startswith("experts.")}
-        for j in range(layer.num_local_experts):
-            prefix = f"experts.{layer.global_expert_index(j)}."
-            local.update({f"experts.{j}." + k[len(prefix):]: v for k, v in case["state"].items()
-                          if k.startswith(prefix)})
-        layer.load_state_dict(local)
+        _load_local(layer, case["state"])
         x = case["xs"][rank].clone().requires_grad_()
         out = layer(x)
         (out * case["probes"][rank]).sum().backward()
@@ -81,6 +136,10 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             dropped=float(layer.last_stats.dropped_fraction), counts=layer.last_stats.expert_counts.tolist(),
             local=layer.num_local_experts,
         )
+    for name, (top_k, factor) in CAPACITY_CASES.items():
+        results[name] = _capacity_vs_sorted(rank, group, inputs[name], top_k, factor)
+    results["host_reads"] = {dispatch: _host_reads(rank, group, inputs["cap_top2"], dispatch)
+                             for dispatch in ("sorted", "capacity")}
     try:
         MoE(H, lambda: MLP(H), num_experts=3, ep_group=group)
         results["bad_ep"] = None
@@ -150,6 +209,29 @@ def test_expert_parallel_matches_single_process(run: tuple[dict, list[dict]], na
     assert seen == set(range(E))
     torch.testing.assert_close(ranks[0][name]["gate_grad"] + ranks[1][name]["gate_grad"], ref.gate.weight.grad,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(CAPACITY_CASES))
+def test_fixed_capacity_dispatch_equals_sorted_dispatch(run: tuple[dict, list[dict]], name: str) -> None:
+    drops = []
+    for rank, res in enumerate(run[1]):
+        sorted_, capacity = res[name]["sorted"], res[name]["capacity"]
+        torch.testing.assert_close(capacity["out"], sorted_["out"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(capacity["x_grad"], sorted_["x_grad"], rtol=0, atol=1e-6)
+        assert capacity["grads"].keys() == sorted_["grads"].keys()
+        for pname, grad in sorted_["grads"].items():
+            torch.testing.assert_close(capacity["grads"][pname], grad, rtol=0, atol=1e-6, msg=f"rank {rank} {pname}")
+        assert capacity["dropped"] == sorted_["dropped"]
+        drops.append(sorted_["dropped"])
+    if name.endswith("_drop"):  # half the balanced load: both paths must agree on a real drop
+        assert max(drops) > 0
+    if name.endswith("_roomy"):  # and where nothing is dropped, unfilled slots only
+        assert max(drops) == 0
+
+
+def test_one_host_read_per_layer_under_expert_parallelism(run: tuple[dict, list[dict]]) -> None:
+    for res in run[1]:
+        assert res["host_reads"] == {"sorted": 1, "capacity": 0}
 
 
 def test_skewed_routing_leaves_rank1_idle_with_zero_gradients(run: tuple[dict, list[dict]]) -> None:

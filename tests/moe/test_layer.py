@@ -123,3 +123,58 @@ def test_bad_expert_factory_and_input_fail_clearly() -> None:
     layer = MoE(H, lambda: MLP(H), num_experts=2)
     with pytest.raises(ValueError, match=r"expects inputs \[\.\.\., 6\]"):
         layer(torch.randn(4, H + 1))
+
+
+@pytest.mark.parametrize("top_k,factor,tokens", [(1, 0.75, 21), (2, 0.5, 21), (1, 1.5, 21), (2, 1.0, 1), (1, 1.0, 0)])
+def test_fixed_capacity_dispatch_equals_sorted_dispatch(top_k: int, factor: float, tokens: int) -> None:
+    """moe/capacity.py on one process: the sorted dispatch's outputs and gradients (an empty batch included)."""
+    layer, twin = _pair(top_k, True, factor)
+    twin.dispatch = "capacity"
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(5))
+    probe = torch.randn(tokens, H, generator=torch.Generator().manual_seed(6))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_a, out_b = layer(xa), twin(xb)
+    ((out_a * probe).sum() + layer.aux_loss).backward()
+    ((out_b * probe).sum() + twin.aux_loss).backward()
+    torch.testing.assert_close(out_b, out_a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=0, atol=1e-6)
+    for (name, a), (_, b) in zip(layer.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_fixed_capacity_dispatch_needs_token_dropping() -> None:
+    with pytest.raises(ValueError, match="dispatch='capacity' needs drop_tokens=True"):
+        MoE(H, lambda: MLP(H), num_experts=4, drop_tokens=False, dispatch="capacity")
+    with pytest.raises(ValueError, match="dispatch must be one of"):
+        MoE(H, lambda: MLP(H), num_experts=4, dispatch="dense")
+
+
+class _HostReads:
+    """Counts ``Tensor.tolist`` / ``Tensor.item`` calls (the dispatch's ways of reading the device on the host)
+    and, through torch.profiler, the operators that read it implicitly (boolean indexing's ``nonzero``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        for name in ("tolist", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(t: torch.Tensor, *args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("dispatch,reads", [("sorted", 1), ("capacity", 0)])
+def test_host_reads_per_forward_and_backward(monkeypatch: pytest.MonkeyPatch, dispatch: str, reads: int) -> None:
+    """dispatch.py [Note: one host read per layer]; capacity.py [Note: fixed-capacity dispatch]: none."""
+    layer = MoE(H, lambda: MLP(H), num_experts=4, top_k=2, capacity_factor=0.75, min_capacity=1, dispatch=dispatch)
+    x = torch.randn(19, H, requires_grad=True)
+    counter = _HostReads(monkeypatch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (layer(x).sum() + layer.aux_loss).backward()
+    assert counter.calls == reads
+    names = {e.name for e in prof.events()}
+    assert "aten::nonzero" not in names  # no boolean-mask indexing
+    if not reads:  # (tolist itself shows as aten::item on CPU)
+        assert not names & {"aten::_local_scalar_dense", "aten::item"}
