@@ -123,16 +123,21 @@ LLAMA_PRESETS: dict[str, dict[str, int]] = {
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
         "num_key_value_heads": 8, "vocab_size": 128256, "seq_len": 2048,
     },
+    "llama_70b": {
+        "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 128256, "seq_len": 2048,
+    },
     "llama_tiny": {
         "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 1024, "seq_len": 256,
     },
 }
 """Llama-style shapes of ``benchmarks/lora.py`` (``transformers.LlamaConfig`` fields, untied head, plus the
-sequence length trained on). ``llama_8b`` is Llama-3-8B's shape (8.03 G parameters); ``llama_tiny`` is a
+sequence length trained on). ``llama_8b`` is Llama-3-8B's shape (8.03 G parameters), ``llama_70b`` Llama-3-70B's
+(70.6 G: issue #31's ZeRO-Inference figure); ``llama_tiny`` is a
 CPU smoke-test model. Random weights: nothing is downloaded."""
 
-LLAMA_ALIASES = {"8b": "llama_8b", "tiny": "llama_tiny"}
+LLAMA_ALIASES = {"8b": "llama_8b", "70b": "llama_70b", "tiny": "llama_tiny"}
 """Short names accepted by ``lora.py --model``."""
 
 LORA: dict[str, Any] = {
