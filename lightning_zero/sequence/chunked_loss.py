@@ -22,6 +22,14 @@ from torch import Tensor
 
 IGNORE_INDEX = -100
 
+# [Note: no host reads, 16-bit GEMMs]
+# The backward subtracts the one-hot of each kept label with a scatter (ignored rows add 0 at index 0 and are
+# then zeroed): boolean-mask indexing would read the mask's count on the host, a device synchronisation per
+# chunk. Both gradient GEMMs run in the dtype the forward's ``F.linear`` ran in (autocast's under a mixed
+# precision, as an ``nn.Linear`` head's backward does: ddp's bf16-mixed run computes the head's weight gradient
+# in one bf16 GEMM); each chunk's product is added to the fp32 ``dweight``. In fp32 runs nothing changes: the GEMMs stay fp32, the scatter subtracts
+# exactly 1.0 where the indexing did.
+
 
 def _chunks(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
@@ -37,6 +45,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total += F.cross_entropy(logits, labels[sl], ignore_index=ignore_index, reduction="sum")
         ctx.save_for_backward(hidden, weight, bias, labels)
         ctx.chunk, ctx.ignore_index = chunk, ignore_index
+        kind = hidden.device.type
+        ctx.gemm_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) \
+            else torch.promote_types(hidden.dtype, weight.dtype)  # the dtype the forward's F.linear ran in
         return total
 
     @staticmethod
@@ -45,15 +56,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         dhidden = torch.empty_like(hidden)
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         dbias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if bias is not None else None
+        gd = ctx.gemm_dtype
+        w, b = weight.to(gd), (bias.to(gd) if bias is not None else None)  # the forward's operands (autocast's)
         for sl in _chunks(hidden.shape[0], ctx.chunk):
-            logits = F.linear(hidden[sl], weight, bias).float()
+            logits = F.linear(hidden[sl].to(gd), w, b).float()
             g = torch.softmax(logits, dim=-1)
             lab = labels[sl]
-            keep = lab != ctx.ignore_index
-            g[keep, lab[keep]] -= 1.0
-            g *= keep.unsqueeze(-1).to(g.dtype) * grad
-            dhidden[sl] = (g.to(weight.dtype) @ weight).to(hidden.dtype)
-            dweight += g.transpose(0, 1) @ hidden[sl].float()
+            keep = (lab != ctx.ignore_index).to(g.dtype).unsqueeze(-1)
+            g.scatter_add_(1, lab.clamp_min(0).unsqueeze(-1), -keep)  # see [Note: no host reads, 16-bit GEMMs]
+            g *= keep * grad
+            g16 = g.to(gd)
+            dhidden[sl] = (g16 @ w).to(hidden.dtype)
+            dweight += (g16.transpose(0, 1) @ hidden[sl].to(gd)).float()
             if dbias is not None:
                 dbias += g.sum(0)
         return (dhidden, dweight.to(weight.dtype), dbias.to(bias.dtype) if dbias is not None else None,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from lightning_zero.comm import collectives as C
 from lightning_zero.sequence.layout import SequenceLayout
 from lightning_zero.sequence.ring import ring_attention
-from lightning_zero.sequence.ulysses import ulysses_attention
+from lightning_zero.sequence.ulysses import TokenOrder, token_order, ulysses_attention
 
 ATTRIBUTE = "_lz_sequence"
 """The attribute of an attention module that holds its ``SequenceContext``."""
@@ -38,6 +38,8 @@ class SequenceContext:
     """``[B, S_local]`` document ids of the current packed batch (batch.py), None for one document per row."""
     calls: int = 0
     """Attention calls through this context since the strategy last reset it (apply.py's first-step check)."""
+    orders: dict[tuple[SequenceLayout, str], TokenOrder] = field(default_factory=dict, repr=False)
+    """Ulysses' token order per (layout, device), made once (ulysses.py [Note: no host round trip per call])."""
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -48,8 +50,15 @@ class SequenceContext:
         self.calls += 1
         n = C.world_size(self.group)
         ring = self.scheme == "ring" or (self.scheme == "auto" and q.shape[1] % n != 0)
-        fn = ring_attention if ring else ulysses_attention
-        return fn(q, k, v, self.layout, self.group, doc=self.doc, causal=causal, scale=scale)
+        if ring:
+            return ring_attention(q, k, v, self.layout, self.group, doc=self.doc, causal=causal, scale=scale)
+        key = (self.layout, str(q.device))
+        if key not in self.orders:
+            if len(self.orders) >= 8:  # sequence lengths that vary batch to batch: keep the cache small
+                self.orders.clear()
+            self.orders[key] = token_order(self.layout, q.device)
+        return ulysses_attention(q, k, v, self.layout, self.group, doc=self.doc, causal=causal, scale=scale,
+                                 order=self.orders[key])
 
 
     def positions(self) -> Tensor:

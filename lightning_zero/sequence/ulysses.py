@@ -21,13 +21,15 @@ attention's ``N - 1`` key/value block exchanges: Ulysses wins while heads divide
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
-from lightning_zero.sequence.blockwise import block_attention
+from lightning_zero.sequence.blockwise import block_attention, default_scale
 from lightning_zero.sequence.layout import SequenceLayout
 
 
@@ -72,10 +74,43 @@ def _gather_doc(doc: Tensor, group: Optional[C.ProcessGroup]) -> Tensor:
     return out.view((n,) + tuple(doc.shape)).permute(1, 0, 2).reshape(doc.shape[0], -1)
 
 
+@dataclass(frozen=True)
+class TokenOrder:
+    """Where this layout's tokens sit once the all-to-all has put them in rank order, made once per layout
+    and device (see [Note: no host round trip per call])."""
+
+    positions: Tensor
+    """``[S]`` global positions of the tokens in rank order, on the device."""
+    to_pos: Optional[Tensor]
+    """Rank order -> position order (``index_select`` along the sequence), None when they are the same."""
+    to_rank: Optional[Tensor]
+    """Position order -> rank order, the inverse of ``to_pos``."""
+
+
+def token_order(layout: SequenceLayout, device: torch.device) -> TokenOrder:
+    """The :class:`TokenOrder` of ``layout`` on ``device`` (host work and two host-to-device copies)."""
+    pos = torch.cat([layout.positions(r) for r in range(layout.size)])
+    if bool((pos[1:] > pos[:-1]).all()):  # rank order is position order (contiguous layout)
+        return TokenOrder(pos.to(device), None, None)
+    order = torch.argsort(pos)
+    return TokenOrder(pos.to(device), order.to(device), torch.argsort(order).to(device))
+
+
+# [Note: no host round trip per call]
+# A host tensor copied to the GPU from pageable memory makes the host wait until the stream has drained, so a
+# permutation built on the host in every attention call (forward, and again in the recomputed forward) stalls
+# the host once per layer: ZeRO-3's prefetch of the next layer can then no longer run ahead of the compute
+# (measured on 4 x H200, 2026-11-28: the NCCL time was almost entirely exposed, RESULTS.md). The order depends
+# on the layout only, so the sequence context (context.py) makes it once per layout and device and every
+# call reuses it; the unmasked causal path then needs no positions at all.
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, group: Optional[C.ProcessGroup],
-                      doc: Optional[Tensor] = None, causal: bool = True, scale: Optional[float] = None) -> Tensor:
+                      doc: Optional[Tensor] = None, causal: bool = True, scale: Optional[float] = None,
+                      order: Optional[TokenOrder] = None) -> Tensor:
     """Attention of this rank's tokens over the whole sequence of the group through two all-to-alls
-    (see [Note: Ulysses]); ``[B, H, S_local, D]`` in and out, ``k``/``v`` may have fewer heads."""
+    (see [Note: Ulysses]); ``[B, H, S_local, D]`` in and out, ``k``/``v`` may have fewer heads. ``order``:
+    :func:`token_order` of ``layout`` on ``q``'s device, made here when not given."""
     n = C.world_size(group)
     if layout.size != n:
         raise ValueError(f"layout for {layout.size} ranks used on a group of {n}")
@@ -85,16 +120,23 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, g
                          "use ring attention (sp_attention='ring')")
     if k.shape[1] % n:  # grouped-query heads that do not split: repeat them up to the query heads
         k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    order = order if order is not None else token_order(layout, q.device)
     qh, kh, vh = (_Reshard.apply(t, group, True) for t in (q, k, v))
-    pos = torch.cat([layout.positions(r) for r in range(n)])  # of the tokens in rank order (host)
     if doc is not None:
         full_doc = _gather_doc(doc, group)
-        out = block_attention(qh, kh, vh, pos, pos, full_doc, full_doc, causal=causal, scale=scale)
-    elif bool((pos[1:] > pos[:-1]).all()):  # rank order is position order (contiguous layout)
-        out = block_attention(qh, kh, vh, pos, pos, causal=causal, scale=scale)
+        out = block_attention(qh, kh, vh, order.positions, order.positions, full_doc, full_doc, causal=causal,
+                              scale=scale)
+    elif order.to_pos is None:  # rank order is position order: SDPA's own causal path
+        out = _sdpa(qh, kh, vh, causal, scale)
     else:  # position order for SDPA's unmasked causal path, rank order again after (see [Note: Ulysses])
-        order = torch.argsort(pos)
-        to_pos, to_rank = order.to(q.device), torch.argsort(order).to(q.device)
-        qh, kh, vh = (t.index_select(2, to_pos) for t in (qh, kh, vh))
-        out = block_attention(qh, kh, vh, pos[order], pos[order], causal=causal, scale=scale).index_select(2, to_rank)
+        assert order.to_rank is not None
+        qh, kh, vh = (t.index_select(2, order.to_pos) for t in (qh, kh, vh))
+        out = _sdpa(qh, kh, vh, causal, scale).index_select(2, order.to_rank)
     return _Reshard.apply(out, group, False)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tensor:
+    """Attention of tokens in position order over themselves: what ``block_attention`` does for equal ascending
+    positions, without looking at them."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=default_scale(q, scale),
+                                          enable_gqa=k.shape[1] != q.shape[1])

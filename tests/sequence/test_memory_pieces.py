@@ -45,6 +45,27 @@ def test_chunked_loss_equals_full_logits(bias: bool) -> None:
         assert tensor_rel(a, r) < 1e-5
 
 
+def test_chunked_loss_under_autocast_runs_its_gemms_as_an_autocast_head_does() -> None:
+    """fp32 weights, bf16 autocast (ddp's bf16-mixed): the chunked loss's gradients are those of a plain
+    ``F.linear`` head under the same autocast (bf16 GEMMs), and the backward runs with fp32 weights beside
+    bf16 hidden states (its recomputed logits used to mix the two dtypes and fail)."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(64, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(40, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 40, (64,), generator=g)
+    labels[:7] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+        got = chunked_cross_entropy(hidden, weight, labels, chunk_tokens=16)
+    ref_grads = torch.autograd.grad(ref, [hidden, weight])
+    grads = torch.autograd.grad(got, [hidden, weight])
+    assert abs(float(got.detach()) - float(ref.detach())) / float(ref.detach()) < 1e-3
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+    for a, r in zip(grads, ref_grads):
+        assert tensor_rel(a.float(), r.float()) < 2e-2  # bf16 GEMMs on both sides, summed in other orders
+    assert grads[0][:7].abs().max() == 0  # ignored tokens get no gradient
+
+
 def test_chunked_loss_keeps_no_logits() -> None:
     hidden = torch.randn(512, 32, requires_grad=True)
     weight = torch.randn(1000, 32, requires_grad=True)

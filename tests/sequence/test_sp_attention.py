@@ -76,6 +76,31 @@ def test_zigzag_layout_balances_and_round_trips() -> None:
         SequenceLayout(12, 4, "zigzag")
 
 
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+def test_ulysses_token_order_is_made_once_per_layout(kind: str) -> None:
+    """ulysses.py [Note: no host round trip per call]: the context makes the token order once per layout and
+    device and every later call reuses it; outputs are those of an order made in the call."""
+    from lightning_zero.sequence.context import SequenceContext
+    from lightning_zero.sequence.ulysses import token_order
+
+    q, k, v = _qkv(kv_heads=2)
+    layout = SequenceLayout(24, 1, kind)
+    context = SequenceContext(None, layout, scheme="ulysses")
+    first = context.attend(q, k, v)
+    order = context.orders[(layout, "cpu")]
+    second = context.attend(q, k, v)
+    assert len(context.orders) == 1 and context.orders[(layout, "cpu")] is order
+    assert torch.equal(first, second) and torch.equal(first, ulysses_attention(q, k, v, layout, None))
+    assert tensor_rel(first, attention_reference(q, k, v)) < TOL
+    two = token_order(SequenceLayout(16, 2, kind), torch.device("cpu"))  # the order two ranks' tokens arrive in
+    if kind == "contiguous":
+        assert two.to_pos is None and two.positions.tolist() == list(range(16))
+    else:
+        assert two.positions.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+        assert torch.equal(two.positions[two.to_pos], torch.arange(16))
+        assert torch.equal(two.to_pos[two.to_rank], torch.arange(16))
+
+
 @pytest.mark.parametrize("fn", [ring_attention, ulysses_attention])
 def test_one_rank_is_plain_attention(fn) -> None:
     q, k, v = (t.requires_grad_() for t in _qkv(kv_heads=2))
