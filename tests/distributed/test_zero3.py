@@ -11,34 +11,40 @@ from tests.distributed.test_zero_stages import _rel, _weights_rel
 from tests.helpers.harness import run_scenario
 from tests.helpers.launch import run_worker
 
+STEPS = 10
+"""Steps of the 2-rank runs but the resume's (parity needs no trajectory: tests/distributed/conftest.py)."""
+
 
 @pytest.fixture(scope="module")
 def z3_two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    # 10 steps: parity, memory at rest and live units need no trajectory (tests/distributed/conftest.py's note)
     runs = {
-        "ddp": "ddp",
-        "zero3": "zero3",
-        "zero3_prefetch2": "zero3:prefetch=2",
-        "zero3_persistent": "zero3:persist=100000",
+        "ddp": f"ddp:steps={STEPS}",
+        "zero3": f"zero3:steps={STEPS}",
+        "zero3_prefetch2": f"zero3:prefetch=2,steps={STEPS}",
+        "zero3_persistent": f"zero3:persist=100000,steps={STEPS}",
         "zero3_resume": "zero3:n_train=160,steps=20,resume=1",
     }
     return run_worker(tmp_path_factory.mktemp("z3two"), 2, runs, timeout=1200)
 
 
 @pytest.fixture(scope="module")
-def z3_three(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return run_worker(tmp_path_factory.mktemp("z3three"), 3, {"ddp": "ddp", "zero3": "zero3"}, timeout=1200)
+def z3_three(three_ranks: dict[str, dict]) -> dict[str, dict]:
+    """The 3-rank launch shared with test_zero_stages.py (tests/distributed/conftest.py)."""
+    return three_ranks
 
 
 @pytest.mark.parametrize("name", ["zero3", "zero3_prefetch2", "zero3_persistent"])
 def test_zero3_matches_ddp_on_two_ranks(z3_two: dict[str, dict], name: str) -> None:
     got, ref = z3_two[name], z3_two["ddp"]
-    assert len(got["losses"]) >= 60
+    assert len(got["losses"]) == len(ref["losses"]) == 2 * STEPS  # 2 accumulated micro-batches a step
     assert _rel(got["losses"], ref["losses"]) < 1e-4
     bad = {k: v for k, v in _weights_rel(got["weights"], ref["weights"]).items() if v > 1e-4}
     assert not bad, bad
 
 
 def test_zero3_matches_ddp_on_three_ranks(z3_three: dict[str, dict]) -> None:
+    assert len(z3_three["zero3"]["losses"]) == len(z3_three["ddp"]["losses"]) == 20  # 10 steps x 2 micro-batches
     assert _rel(z3_three["zero3"]["losses"], z3_three["ddp"]["losses"]) < 1e-4
     assert max(_weights_rel(z3_three["zero3"]["weights"], z3_three["ddp"]["weights"]).values()) < 1e-4
 
