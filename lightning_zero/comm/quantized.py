@@ -184,19 +184,14 @@ Into = Callable[[], tuple[Tensor, bool]]
 ([Note: qgZ into the gradient shard])."""
 
 
-def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8,
-                         block: int = 2048, divisor: int = 1, into: Optional[Into] = None) -> QuantizedWork:
+def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048,
+                         divisor: int = 1, into: Optional[Into] = None, interleave: int = 1) -> QuantizedWork:
     """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
     all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
     ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
     ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA). With ``into``, ``wait`` writes it
-    (or adds it) into the destination ``into()`` gives instead, and ``result`` is that destination."""
-    return _start_reduce_scatter(full, group, bits, block, divisor, into)
-
-
-def _start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int, block: int, divisor: int,
-                          into: Optional[Into], interleave: int = 1) -> QuantizedWork:
-    """:func:`start_reduce_scatter` of ``full`` as :func:`_quantize_rows` arranges it with ``interleave``."""
+    (or adds it) into the destination ``into()`` gives instead, and ``result`` is that destination.
+    ``interleave``: the chunks of ``full`` as :func:`_quantize_rows` arranges them (hpZ's two levels)."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
@@ -257,7 +252,7 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
         raise ValueError(f"{flat.numel()} elements do not split into {h * k} equal chunks")
     m = flat.numel() // (h * k)
     # part l: the chunks of every node's rank l (flat.view(k, h, m).transpose(0, 1)), read in place on CUDA
-    first = _start_reduce_scatter(flat, inner, bits, block, 1, None, interleave=k)
+    first = start_reduce_scatter(flat, inner, bits, block, interleave=k)
     return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
                         divisor, into)
 

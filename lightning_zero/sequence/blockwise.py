@@ -97,6 +97,12 @@ def default_scale(q: Tensor, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tensor:
+    """Attention of tokens in position order over themselves: SDPA's own (fused) causal path, no mask."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=default_scale(q, scale),
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 def block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, q_doc: Optional[Tensor] = None,
                     k_doc: Optional[Tensor] = None, causal: bool = True, scale: Optional[float] = None) -> Tensor:
     """Differentiable attention of ``q`` over ``k``/``v`` whose tokens sit at arbitrary global positions
@@ -107,7 +113,7 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tenso
     plain = q_doc is None and q_pos.shape == k_pos.shape and bool((q_pos == k_pos).all()) \
         and bool((q_pos[1:] > q_pos[:-1]).all())
     if plain:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return plain_attention(q, k, v, causal, scale)
     mask = visible(q_pos.to(q.device), k_pos.to(q.device), q_doc, k_doc, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 

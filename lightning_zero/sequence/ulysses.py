@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
-from lightning_zero.sequence.blockwise import block_attention, default_scale
+from lightning_zero.sequence.blockwise import block_attention, plain_attention
 from lightning_zero.sequence.layout import SequenceLayout
 
 
@@ -127,16 +126,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, g
         out = block_attention(qh, kh, vh, order.positions, order.positions, full_doc, full_doc, causal=causal,
                               scale=scale)
     elif order.to_pos is None:  # rank order is position order: SDPA's own causal path
-        out = _sdpa(qh, kh, vh, causal, scale)
+        out = plain_attention(qh, kh, vh, causal, scale)
     else:  # position order for SDPA's unmasked causal path, rank order again after (see [Note: Ulysses])
         assert order.to_rank is not None
         qh, kh, vh = (t.index_select(2, order.to_pos) for t in (qh, kh, vh))
-        out = _sdpa(qh, kh, vh, causal, scale).index_select(2, order.to_rank)
+        out = plain_attention(qh, kh, vh, causal, scale).index_select(2, order.to_rank)
     return _Reshard.apply(out, group, False)
 
-
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tensor:
-    """Attention of tokens in position order over themselves: what ``block_attention`` does for equal ascending
-    positions, without looking at them."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=default_scale(q, scale),
-                                          enable_gqa=k.shape[1] != q.shape[1])
