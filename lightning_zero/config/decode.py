@@ -19,6 +19,12 @@ class DecodeConfig:
     backend: str = "inductor"
     """``torch.compile`` backend (``"eager"``/``"aot_eager"`` trace without generating code: cheap, for tests)."""
 
+    coordinate_descent: bool = False
+    """Compile the step with inductor's ``coordinate_descent_tuning`` (inductor backend only): each generated
+    kernel's block sizes searched at compile time, and a one-row matmul decomposed into a reduction that
+    fuses what feeds it (gpt-fast's setting for batch-1 decode; the int8/int4 one-row path of
+    inference/inductor_wo.py is that reduction). Compiles take longer."""
+
     fullgraph: bool = False
     """Refuse graph breaks in the step (True: an unsupported op in the model is an error instead of a
     slower step split in pieces)."""
@@ -40,6 +46,8 @@ class DecodeConfig:
             raise ValueError(f"DecodeConfig.mode must be one of {COMPILE_MODES}, got {self.mode!r}.")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"DecodeConfig.backend must name a torch.compile backend, got {self.backend!r}.")
+        if not isinstance(self.coordinate_descent, bool):
+            raise ValueError(f"DecodeConfig.coordinate_descent must be True or False, got {self.coordinate_descent!r}.")
         for name in ("eos_check_every", "cache_multiple"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

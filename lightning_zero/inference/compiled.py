@@ -126,7 +126,13 @@ class CompiledDecoder:
             cfg = self.config
             kwargs: dict[str, Any] = {"backend": cfg.backend, "fullgraph": cfg.fullgraph, "dynamic": False}
             if cfg.backend == "inductor":  # [Note: CUDA graphs only on CUDA]
-                kwargs["mode"] = cfg.mode if device.type == "cuda" else _WITHOUT_GRAPHS.get(cfg.mode, cfg.mode)
+                mode = cfg.mode if device.type == "cuda" else _WITHOUT_GRAPHS.get(cfg.mode, cfg.mode)
+                if cfg.coordinate_descent:  # torch.compile takes a mode or options, not both: the mode's options
+                    from torch._inductor import list_mode_options
+
+                    kwargs["options"] = {**list_mode_options(mode), "coordinate_descent_tuning": True}
+                else:
+                    kwargs["mode"] = mode
             self._step = (torch.compile(self._greedy_step, **kwargs), torch.compile(self._logits_step, **kwargs))
             self._device_type = device.type
         return self._step

@@ -15,8 +15,9 @@ weight (group 128: codes plus one fp32 scale per group; ~0.52x and ~0.27x of bf1
 device where no kernel applies) dequantizes the whole weight to the input's dtype and calls ``F.linear``:
 correct everywhere, no faster than the unquantized layer. Fused kernels plug in through
 :func:`register_kernel` and must match this path (the dequantize-then-matmul reference) to within the
-matmul's rounding; the first one is built in: triton_wo.py's Triton kernel (codes dequantized in the
-GEMM's inner loop, CUDA, at most 16 rows: decode), which declines without Triton or off CUDA.
+matmul's rounding. Two are built in, tried in this order: inductor_wo.py's fused reduction (one row, only
+while torch.compile traces: the compiled batch-1 decode step) and triton_wo.py's Triton kernel (codes
+dequantized in the GEMM's inner loop, CUDA, at most 16 rows), which declines without Triton or off CUDA.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_zero.inference.inductor_wo import inductor_weight_only
 from lightning_zero.inference.triton_wo import triton_weight_only
 from lightning_zero.quant.blocks import Q_MAX, QuantizedBlocks, dequantize, quantize
 
 Kernel = Callable[[Tensor, "QuantLinear"], Optional[Tensor]]
 """``(x, layer) -> y``, or None when it does not apply (device, dtype, shape): the next one is tried."""
 
-_KERNELS: list[Kernel] = [triton_weight_only]
+_KERNELS: list[Kernel] = [inductor_weight_only, triton_weight_only]
 
 
 def register_kernel(kernel: Kernel) -> Callable[[], None]:

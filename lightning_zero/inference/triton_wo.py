@@ -41,6 +41,9 @@ GROUP_SIZES = (32, 64, 128, 256)
 """Group sizes the kernel takes (one ``tl.dot`` per group: a power of two >= 32, so int4's half is >= 16)."""
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_AUTOTUNE = os.environ.get("LIGHTNING_ZERO_TRITON_AUTOTUNE", "1") != "0"
+"""``LIGHTNING_ZERO_TRITON_AUTOTUNE=0`` (read at import, like ``TRITON_INTERPRET``): one configuration instead
+of twelve per shape and dtype, for tests that check results, not speed (24 shapes x 12 compiles otherwise)."""
 
 
 if triton is not None:
@@ -78,7 +81,7 @@ if triton is not None:
 
     @triton.autotune(
         configs=[triton.Config({"BLOCK_N": n, "UNROLL": u}, num_warps=4, num_stages=s)
-                 for n in (16, 32, 64) for u in (1, 4) for s in (2, 4)] if not _INTERPRET
+                 for n in (16, 32, 64) for u in (1, 4) for s in (2, 4)] if _AUTOTUNE and not _INTERPRET
         else [triton.Config({"BLOCK_N": 16, "UNROLL": 2})],
         key=["N", "K", "BITS"],
     )

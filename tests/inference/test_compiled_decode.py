@@ -114,6 +114,22 @@ def test_config_validation() -> None:
         DecodeConfig(eos_check_every=0)
     with pytest.raises(ValueError, match="cache_multiple"):
         DecodeConfig(cache_multiple=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="coordinate_descent"):
+        DecodeConfig(coordinate_descent="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device, want", [("cuda", {"triton.cudagraphs": True, "coordinate_descent_tuning": True}),
+                                          ("cpu", {"coordinate_descent_tuning": True})])
+def test_coordinate_descent_keeps_the_mode(gpt: nn.Module, monkeypatch: pytest.MonkeyPatch, device: str,
+                                           want: dict) -> None:
+    """torch.compile takes a mode or options, not both: with coordinate_descent the mode's own options (CUDA
+    graphs on CUDA, none elsewhere) travel beside the tuning switch; without it the mode is passed as is."""
+    seen: list[dict] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+    CompiledDecoder(gpt, DecodeConfig(coordinate_descent=True), hf=False)._compiled(torch.device(device))
+    CompiledDecoder(gpt, DecodeConfig(), hf=False)._compiled(torch.device(device))
+    assert seen[0]["options"] == want and "mode" not in seen[0]
+    assert seen[2]["mode"] == ("reduce-overhead" if device == "cuda" else "default") and "options" not in seen[2]
 
 
 @pytest.mark.gpu
