@@ -25,18 +25,18 @@ Rows (random weights, ``benchmarks/presets.py`` shapes, nothing downloaded; prom
 ``roofline`` (weight bytes / the device's read bandwidth, measured by a device-to-device copy),
 ``ours_<dtype>`` (``generate`` with HF's dynamic cache, eager), ``ours_compiled`` (``generate(compile=True)``:
 static cache, the step compiled, CUDA graphs on CUDA), ``hf_dynamic`` (HF ``generate``, greedy),
-``ours_compiled_cdt`` (the same with ``DecodeConfig(coordinate_descent=True)``: inductor's coordinate-descent
-tuning, gpt-fast's batch-1 setting), ``hf_static_compiled`` (``--peer-compile``: HF's recipe for transformers
+``ours_compiled_no_cdt`` (the same with ``DecodeConfig(coordinate_descent=False)``: without inductor's
+coordinate-descent tuning, gpt-fast's batch-1 setting and our default), ``hf_static_compiled`` (``--peer-compile``: HF's recipe for transformers
 5: one ``StaticCache`` made up front and passed as ``past_key_values`` to every call, ``reset()`` between
 calls, so its tensors keep their addresses; ``generate`` compiles the forward itself for a static cache
 (``reduce-overhead``, CUDA graphs). A fresh cache per call, what ``cache_implementation="static"`` does,
 re-records the graphs at every call: the 9.9 tokens/s of 2026-11-28 03:29 and 10:05 was that, not HF's speed),
-``ours_int8`` / ``ours_int4`` (``quantize_linears`` at group 128, the head kept, decoded with ``compile=
-DecodeConfig(coordinate_descent=True)``: one-row linears as inference/inductor_wo.py's fused reduction;
-``--quant-kernel triton`` takes triton_wo.py's kernel for them instead; ``--eager-quant`` decodes uncompiled).
+``ours_int8`` / ``ours_int4`` (``quantize_linears`` at group 128, the head kept, decoded with
+``compile=True``: triton_wo.py's kernel; ``--quant-kernel reduction`` takes inference/inductor_wo.py's fused
+reduction for one-row linears instead; ``--eager-quant`` decodes uncompiled).
 Decode tokens/s = ``(n - 1) / (t(n) - t(1))``: the prompt's forward cancels out. Targets: ours_compiled >=
 0.7x roofline and >= 1.5x hf_static_compiled; int8 >= 1.6x and int4 >= 2.5x ours (the ``x ours`` column is
-against the faster of ours_compiled and ours_compiled_cdt).
+against the faster of ours_compiled and ours_compiled_no_cdt).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-compile", action="store_true", help="also HF generate with a static cache, compiled")
     p.add_argument("--no-quant", action="store_true", help="skip the int8/int4 rows")
     p.add_argument("--eager-quant", action="store_true", help="decode the int8/int4 rows without compile")
-    p.add_argument("--quant-kernel", choices=("reduction", "triton"), default="reduction",
+    p.add_argument("--quant-kernel", choices=("reduction", "triton"), default="triton",
                    help="one-row quantized linears: inductor's fused reduction or the Triton kernel")
-    p.add_argument("--no-cdt", action="store_true", help="skip ours_compiled_cdt")
+    p.add_argument("--no-cdt", action="store_true", help="skip ours_compiled_no_cdt")
     p.add_argument("--no-compile", action="store_true", help="skip ours_compiled (and compile nothing of ours)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of ours (eager: a cheap CPU smoke)")
     p.add_argument("--offload", action="store_true", help="ZeRO-Inference from host memory instead (see above)")
@@ -325,11 +325,11 @@ def main(argv: list[str] | None = None) -> None:
         compiled = lambda m: (lambda k: generate(m, prompt, k, compile=decode))  # noqa: E731
         rows.append(("ours_compiled", guarded_rate("ours_compiled", compiled(model), args.new_tokens, args.repeats,
                                                    device)))
-        tuned = DecodeConfig(backend=args.backend, coordinate_descent=args.backend == "inductor")
-        compiled_cdt = lambda m: (lambda k: generate(m, prompt, k, compile=tuned))  # noqa: E731
-        if not args.no_cdt:
-            rows.append(("ours_compiled_cdt", guarded_rate("ours_compiled_cdt", compiled_cdt(model), args.new_tokens,
-                                                           args.repeats, device)))
+        untuned = DecodeConfig(backend=args.backend, coordinate_descent=False)
+        if not args.no_cdt and args.backend == "inductor":
+            rows.append(("ours_compiled_no_cdt", guarded_rate(
+                "ours_compiled_no_cdt", lambda k: generate(model, prompt, k, compile=untuned), args.new_tokens,
+                args.repeats, device)))
     hf = lambda k: model.generate(prompt, attention_mask=mask, max_new_tokens=k, do_sample=False)  # noqa: E731
     rows.append(("hf_dynamic", decode_rate(hf, args.new_tokens, args.repeats, device)))
     if args.peer_compile:
@@ -346,25 +346,24 @@ def main(argv: list[str] | None = None) -> None:
                                                         args.repeats, device)))
         del cache
     if not args.no_quant:
-        if args.quant_kernel == "triton":
+        if args.quant_kernel == "reduction":
             from lightning_zero.inference import quant
 
-            quant._KERNELS.remove(quant.inductor_weight_only)  # this process only: the Triton kernel for one row
+            quant._KERNELS.remove(quant.triton_weight_only)  # this process only: the fused reduction for one row
         for bits in (8, 4):
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             model = build(args, device, dtype)
             quantize_linears(model, bits=bits, group_size=128, skip=["lm_head"])
-            run = ours(model) if args.eager_quant or args.no_compile else \
-                compiled_cdt(model) if args.backend == "inductor" else compiled(model)
+            run = ours(model) if args.eager_quant or args.no_compile else compiled(model)
             rate = guarded_rate(f"ours_int{bits}", run, args.new_tokens, args.repeats, device)
             rows.append((f"ours_int{bits}", rate))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"## Decode, batch 1, {args.model} ({weight_bytes / 2**30:.2f} GiB of {args.dtype} weights), "
           f"{name}, {datetime.date.today()}\n")
     base = dict(rows)
-    ours_best = max((base.get(name, float("nan")) for name in ("ours_compiled", "ours_compiled_cdt")),
+    ours_best = max((base.get(name, float("nan")) for name in ("ours_compiled", "ours_compiled_no_cdt")),
                     key=lambda r: -1.0 if r != r else r)
     if ours_best != ours_best:  # not run, or failed: against the eager row
         ours_best = base[f"ours_{args.dtype}"]

@@ -15,9 +15,12 @@ weight (group 128: codes plus one fp32 scale per group; ~0.52x and ~0.27x of bf1
 device where no kernel applies) dequantizes the whole weight to the input's dtype and calls ``F.linear``:
 correct everywhere, no faster than the unquantized layer. Fused kernels plug in through
 :func:`register_kernel` and must match this path (the dequantize-then-matmul reference) to within the
-matmul's rounding. Two are built in, tried in this order: inductor_wo.py's fused reduction (one row, only
-while torch.compile traces: the compiled batch-1 decode step) and triton_wo.py's Triton kernel (codes
-dequantized in the GEMM's inner loop, CUDA, at most 16 rows), which declines without Triton or off CUDA.
+matmul's rounding. Two are built in, tried in this order: triton_wo.py's Triton kernel (codes dequantized
+in the GEMM's inner loop, CUDA, at most 16 rows), which declines without Triton or off CUDA, then
+inductor_wo.py's fused reduction (one row, only while torch.compile traces: the compiled batch-1 decode step
+on a device without the Triton kernel). Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28 10:37), the
+Triton kernel decoded int8 Llama-8B faster (169.5 against 124.6 tokens/s), hence the order; neither yet
+reaches the bf16 step's speed.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from lightning_zero.quant.blocks import Q_MAX, QuantizedBlocks, dequantize, quan
 Kernel = Callable[[Tensor, "QuantLinear"], Optional[Tensor]]
 """``(x, layer) -> y``, or None when it does not apply (device, dtype, shape): the next one is tried."""
 
-_KERNELS: list[Kernel] = [inductor_weight_only, triton_weight_only]
+_KERNELS: list[Kernel] = [triton_weight_only, inductor_weight_only]
 
 
 def register_kernel(kernel: Kernel) -> Callable[[], None]:

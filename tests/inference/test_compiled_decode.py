@@ -127,7 +127,7 @@ def test_coordinate_descent_keeps_the_mode(gpt: nn.Module, monkeypatch: pytest.M
     seen: list[dict] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
     CompiledDecoder(gpt, DecodeConfig(coordinate_descent=True), hf=False)._compiled(torch.device(device))
-    CompiledDecoder(gpt, DecodeConfig(), hf=False)._compiled(torch.device(device))
+    CompiledDecoder(gpt, DecodeConfig(coordinate_descent=False), hf=False)._compiled(torch.device(device))
     assert seen[0]["options"] == want and "mode" not in seen[0]
     assert seen[2]["mode"] == ("reduce-overhead" if device == "cuda" else "default") and "options" not in seen[2]
 

@@ -55,10 +55,10 @@ def _pair(recipe: str, seed: int = 0) -> tuple[nn.Linear, nn.Module]:
     return plain, holder[1]
 
 
-def _inputs(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(seed: int = 1, rows: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(8, 64, generator=g) * torch.logspace(-1, 1, 64)).to(torch.bfloat16)  # uneven columns
-    go = torch.randn(8, 48, generator=g).to(torch.bfloat16)
+    x = (torch.randn(rows, 64, generator=g) * torch.logspace(-1, 1, 64)).to(torch.bfloat16)  # uneven columns
+    go = torch.randn(rows, 48, generator=g).to(torch.bfloat16)
     return x, go
 
 
@@ -236,7 +236,7 @@ def test_real_float8_on_the_gpu_matches_the_reference() -> None:
     holder = nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 48), nn.Linear(48, 16)).to(dev, torch.bfloat16)
     w = holder[1].weight.detach().clone()
     fp8.convert(holder, Fp8Config(fp8="tensorwise"), dev, "bf16-mixed", info=lambda m: None)
-    x, go = (t.to(dev) for t in _inputs())
+    x, go = (t.to(dev) for t in _inputs(rows=16))  # real float8 trains on rows in sixteens (refused otherwise)
     y = holder[1](x.clone().requires_grad_(True))
     y_ref = (qdq(x, E4M3) @ qdq(w, E4M3).t()).to(torch.bfloat16) + holder[1].bias.detach()
     assert _close(y, y_ref, rel=2**-6)
