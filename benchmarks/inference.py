@@ -32,8 +32,9 @@ calls, so its tensors keep their addresses; ``generate`` compiles the forward it
 (``reduce-overhead``, CUDA graphs). A fresh cache per call, what ``cache_implementation="static"`` does,
 re-records the graphs at every call: the 9.9 tokens/s of 2026-11-28 03:29 and 10:05 was that, not HF's speed),
 ``ours_int8`` / ``ours_int4`` (``quantize_linears`` at group 128, the head kept, decoded with
-``compile=True``: triton_wo.py's kernel; ``--quant-kernel reduction`` takes inference/inductor_wo.py's fused
-reduction for one-row linears instead; ``--eager-quant`` decodes uncompiled).
+``compile=True``, one row per kernel of ``--quant-kernel``: ``triton`` (triton_wo.py, the seam's default),
+``gemv`` (triton_gemv.py, not yet the default), ``reduction`` (inductor_wo.py); ``--eager-quant`` decodes
+uncompiled).
 Decode tokens/s = ``(n - 1) / (t(n) - t(1))``: the prompt's forward cancels out. Targets: ours_compiled >=
 0.7x roofline and >= 1.5x hf_static_compiled; int8 >= 1.6x and int4 >= 2.5x ours (the ``x ours`` column is
 against the faster of ours_compiled and ours_compiled_no_cdt).
@@ -64,8 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-compile", action="store_true", help="also HF generate with a static cache, compiled")
     p.add_argument("--no-quant", action="store_true", help="skip the int8/int4 rows")
     p.add_argument("--eager-quant", action="store_true", help="decode the int8/int4 rows without compile")
-    p.add_argument("--quant-kernel", choices=("reduction", "triton"), default="triton",
-                   help="one-row quantized linears: inductor's fused reduction or the Triton kernel")
+    p.add_argument("--quant-kernel", default="triton,gemv",
+                   help="comma-separated kernels for the int8/int4 rows, each first at the seam in turn: triton "
+                        "(triton_wo.py, the default), gemv (triton_gemv.py), reduction (inductor_wo.py)")
     p.add_argument("--no-cdt", action="store_true", help="skip ours_compiled_no_cdt")
     p.add_argument("--no-compile", action="store_true", help="skip ours_compiled (and compile nothing of ours)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of ours (eager: a cheap CPU smoke)")
@@ -303,6 +305,9 @@ class _Rows(list):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    unknown = set(args.quant_kernel.split(",")) - {"triton", "gemv", "reduction"}
+    if unknown:
+        raise SystemExit(f"--quant-kernel: unknown {sorted(unknown)}; take triton, gemv or reduction")
     if args.tp > 1:
         tp_main(args)
         return
@@ -346,19 +351,25 @@ def main(argv: list[str] | None = None) -> None:
                                                         args.repeats, device)))
         del cache
     if not args.no_quant:
-        if args.quant_kernel == "reduction":
-            from lightning_zero.inference import quant
+        from lightning_zero.inference import quant
+        from lightning_zero.inference.triton_gemv import triton_gemv
 
-            quant._KERNELS.remove(quant.triton_weight_only)  # this process only: the fused reduction for one row
-        for bits in (8, 4):
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            model = build(args, device, dtype)
-            quantize_linears(model, bits=bits, group_size=128, skip=["lm_head"])
-            run = ours(model) if args.eager_quant or args.no_compile else compiled(model)
-            rate = guarded_rate(f"ours_int{bits}", run, args.new_tokens, args.repeats, device)
-            rows.append((f"ours_int{bits}", rate))
+        first = {"triton": quant.triton_weight_only, "gemv": triton_gemv, "reduction": quant.inductor_weight_only}
+        default = list(quant._KERNELS)
+        kernels = args.quant_kernel.split(",")
+        for kernel in kernels:
+            # this process only: the kernel asked for first at the seam; the others stay behind it for what it declines
+            quant._KERNELS[:] = [first[kernel]] + [k for k in default if k is not first[kernel]]
+            for bits in (8, 4):
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                model = build(args, device, dtype)
+                quantize_linears(model, bits=bits, group_size=128, skip=["lm_head"])
+                run = ours(model) if args.eager_quant or args.no_compile else compiled(model)
+                name = f"ours_int{bits}" + (f"_{kernel}" if len(kernels) > 1 else "")
+                rows.append((name, guarded_rate(name, run, args.new_tokens, args.repeats, device)))
+                torch._dynamo.reset()  # the next kernel's step is traced afresh
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"## Decode, batch 1, {args.model} ({weight_bytes / 2**30:.2f} GiB of {args.dtype} weights), "
           f"{name}, {datetime.date.today()}\n")

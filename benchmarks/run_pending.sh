@@ -9,8 +9,9 @@
 #      capacity dispatch against dense; pipeline sweep (1F1B and interleaved, pp 2 and 4, M = 4, 8, 16).
 #   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape, ours against fsdp's DCP and DeepSpeed's;
 #      #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write, and the 2,000-step loss of qwZ+qgZ+hpZ.
-#   D  (1 GPU; H100 if lent) #31: decode rows with the defaults of 23d143f (coordinate descent on, the Triton kernel
-#      first for int8/int4, the HF peer with one persistent static cache); the fp8 GPU test fixed in 23d143f;
+#   D  (1 GPU; H100 if lent) #31: decode rows with the defaults of 23d143f (coordinate descent on, the HF peer with
+#      one persistent static cache), int8/int4 through triton_wo.py's kernel and the new GEMV (triton_gemv.py: make
+#      it the seam's default if it wins); the fp8 GPU test fixed in 23d143f and the GEMV's GPU test;
 #      #33: the largest model without offload, fp32 against 16-bit states, when the GPU is an H100 (H200: done).
 #   E  (2 GPUs) #31: tp 2 batch-1 latency; 70B-shape ZeRO-Inference from host memory against Accelerate (needs the
 #      x2 kind's 256 GiB host: 70B in bf16 is 140 GB, more than the one-GPU kind's 125 GiB).
@@ -64,10 +65,10 @@ case "$CALL" in
       > "$OUT/zeropp_nvlink4.log" 2>&1; mark zeropp $?
     ;;
   D)
-    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout 150 python3 -m pytest -q -m gpu tests/quant/test_fp8.py \
-      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
-    timeout 330 python3 benchmarks/inference.py --peer-compile --no-cdt --new-tokens 64 --repeats 2 \
-      > "$OUT/inference.log" 2>&1; mark inference $?
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout 120 python3 -m pytest -q -m gpu tests/quant/test_fp8.py \
+      tests/inference/test_triton_wo.py -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
+    timeout 440 python3 benchmarks/inference.py --peer-compile --no-cdt --new-tokens 64 --repeats 2 \
+      --quant-kernel triton,gemv > "$OUT/inference.log" 2>&1; mark inference $?
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then
       python3 benchmarks/largest.py --configs zero3:20:24,zero3_bf16sr:38:42,zero3_bf16sr_g16:46:52 \
         --budget-s $(( $(left) - 10 )) > "$OUT/largest.log" 2>&1; mark largest $?

@@ -30,17 +30,23 @@ CASES = [  # (in_features, out_features, group, rows, bias)
 
 
 @torch.no_grad()
-def compare(device: str, dtypes: tuple[torch.dtype, ...]) -> list[str]:
+def compare(device: str, dtypes: tuple[torch.dtype, ...], kernel: str = "triton_weight_only") -> list[str]:
     """Cases where the kernel's output is farther from dequantize-then-matmul (computed in fp64) than the
-    rounding of a matmul in that dtype allows; empty when every case agrees."""
+    rounding of a matmul in that dtype allows; empty when every case agrees. ``kernel``: ``triton_weight_only``
+    or ``triton_gemv`` (inference/triton_gemv.py: the one-row cases, every row count cut to one)."""
+    if kernel == "triton_gemv":
+        from lightning_zero.inference.triton_gemv import triton_gemv as run
+    else:
+        run = triton_weight_only
     bad = []
     for bits in (8, 4):
         for k, n, group, rows, bias in CASES:
+            rows = 1 if kernel == "triton_gemv" else rows
             torch.manual_seed(k + n + bits)
             q = QuantLinear.from_linear(nn.Linear(k, n, bias=bias), bits=bits, group_size=group).to(device)
             for dtype in dtypes:
                 x = torch.randn(rows, k, device=device).to(dtype)
-                got = triton_weight_only(x, q)
+                got = run(x, q)
                 if got is None:
                     bad.append(f"int{bits} {k}x{n} g{group} rows {rows} {dtype}: the kernel declined")
                     continue
@@ -79,9 +85,10 @@ def test_kernel_declines_what_it_does_not_take(case: str, monkeypatch: pytest.Mo
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
-def test_kernel_in_the_interpreter() -> None:
+@pytest.mark.parametrize("kernel", ["triton_weight_only", "triton_gemv"])
+def test_kernel_in_the_interpreter(kernel: str) -> None:
     code = ("import torch; from tests.inference.test_triton_wo import compare; "
-            "bad = compare('cpu', (torch.float32, torch.float16)); print(bad); assert not bad")
+            f"bad = compare('cpu', (torch.float32, torch.float16), {kernel!r}); print(bad); assert not bad")
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -94,16 +101,35 @@ GPU = pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()),
 @pytest.mark.gpu
 @GPU
 @torch.no_grad()
-def test_kernel_on_cuda() -> None:
-    assert compare("cuda", (torch.bfloat16, torch.float16, torch.float32)) == []
+@pytest.mark.parametrize("kernel", ["triton_weight_only", "triton_gemv"])
+def test_kernel_on_cuda(kernel: str) -> None:
+    from lightning_zero.inference.triton_gemv import triton_gemv
+
+    run = triton_gemv if kernel == "triton_gemv" else triton_weight_only
+    assert compare("cuda", (torch.bfloat16, torch.float16, torch.float32), kernel) == []
     for bits in (8, 4):  # Llama-3-8B's shapes, one row (decode)
-        for k, n in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        for k, n in ((4096, 4096), (4096, 14336), (14336, 4096), (4096, 1024)):
             q = QuantLinear.from_linear(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16), bits, 128)
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x.float(), q.dequantized_weight(torch.float32))
-            got = triton_weight_only(x, q)
+            got = run(x, q)
             assert got is not None
             torch.testing.assert_close(got.float(), want, atol=2e-2 * float(want.abs().max()), rtol=2e-2)
+    if kernel == "triton_gemv":  # traced by torch.compile without a graph break, as the decode step needs
+        from torch._dynamo.utils import counters
+
+        from lightning_zero.inference.triton_gemv import register_gemv
+
+        undo = register_gemv()
+        try:
+            q = QuantLinear.from_linear(nn.Linear(256, 64, device="cuda", dtype=torch.bfloat16), 4, 128)
+            x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+            counters.clear()
+            with torch.no_grad():
+                torch.testing.assert_close(torch.compile(q, fullgraph=True)(x), q(x))
+            assert not counters["graph_break"]
+        finally:
+            undo()
 
 
 @pytest.mark.gpu
