@@ -23,8 +23,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.inference.triton_wo import _AUTOTUNE, _DTYPES, _INTERPRET, GROUP_SIZES
-from lightning_zero.optim.triton_adam import tl, triton, triton_available
+from lightning_zero.inference.triton_wo import _AUTOTUNE, _INTERPRET, takes
+from lightning_zero.optim.triton_adam import tl, triton
 
 if triton is not None:
 
@@ -91,13 +91,7 @@ def triton_gemv(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     """A kernel for quant.py's seam: ``layer(x)`` for one row through :func:`weight_only_gemv`, else None (the
     same refusals as triton_wo.py's entry: no Triton, off CUDA unless interpreted, another dtype or group size,
     autograd needing a backward; and anything but one row)."""
-    if not triton_available() or (not x.is_cuda and not _INTERPRET) or x.device != layer.codes.device:
-        return None
-    if x.dtype not in _DTYPES or layer.group_size not in GROUP_SIZES or x.shape[-1] != layer.in_features:
-        return None
-    if x.numel() != layer.in_features:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
+    if not takes(x, layer) or x.numel() != layer.in_features:
         return None
     row = x.reshape(1, layer.in_features)
     if row.stride(-1) != 1:

@@ -127,17 +127,24 @@ if triton is not None:
         return y
 
 
+def takes(x: Tensor, layer: nn.Module) -> bool:
+    """Whether a Triton weight-only kernel (this one, triton_gemv.py's) may compute ``layer(x)``: Triton there,
+    CUDA (or the interpreter), the layer's device, a dtype and group size the kernels take, and no backward
+    needed (the reference path is differentiable, the kernels are not)."""
+    if not triton_available() or (not x.is_cuda and not _INTERPRET) or x.device != layer.codes.device:
+        return False
+    if x.dtype not in _DTYPES or layer.group_size not in GROUP_SIZES or x.shape[-1] != layer.in_features:
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)))
+
+
 def triton_weight_only(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     """The kernel seam's entry (quant.py [Note: the kernel seam]): ``layer(x)`` through the Triton kernel, or
     None (the next kernel or the reference runs) without Triton, off CUDA (unless interpreted), for more
     than :data:`MAX_ROWS` rows, another dtype or a group size the kernel does not take, or where autograd
     would need a backward."""
-    if not triton_available() or (not x.is_cuda and not _INTERPRET) or x.device != layer.codes.device:
+    if not takes(x, layer):
         return None
-    if x.dtype not in _DTYPES or layer.group_size not in GROUP_SIZES or x.shape[-1] != layer.in_features:
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or (layer.bias is not None and layer.bias.requires_grad)):
-        return None  # no backward here: the reference path is differentiable
     rows = x.numel() // max(layer.in_features, 1)
     if rows == 0 or rows > MAX_ROWS:
         return None
