@@ -44,7 +44,9 @@ _CUDA_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class FusedBlock:
     """The visible part of a block pair as one kernel call: queries ``rows:`` (those before see no key of
-    the block) against keys ``:keys``, all visible or (``causal``) causal on the diagonal."""
+    the block) against keys ``:keys``, all visible or (``causal``) causal on the diagonal. A causal block
+    is square, so the kernels' corner conventions for ``Sq != Sk`` (top-left on CPU, bottom-right in
+    flash-attn 2) never matter."""
 
     rows: int
     keys: int
