@@ -54,7 +54,10 @@ class FusedBlock:
 
 
 def kernel_takes(q: Tensor) -> bool:
-    """Whether the fused kernel of ``q``'s device accepts its dtype and head dim."""
+    """Whether the fused kernel of ``q``'s device accepts its dtype and head dim; never when the user switched
+    flash SDPA off (``torch.backends.cuda.enable_flash_sdp(False)``, which SDPA obeys on CPU too)."""
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return False
     if q.device.type == "cpu":
         return q.dtype in _CPU_DTYPES
     if q.device.type == "cuda":

@@ -50,6 +50,12 @@ def test_plan_takes_the_layouts_rectangles_and_leaves_documents_plain() -> None:
     assert FL.plan(p(1), p(1), True, False, x.double()) is None  # a dtype the kernel path does not take
     assert FL.plan(p(1), p(1), True, False, x.bfloat16()) == FL.FusedBlock(0, 8, True)
     assert FL.plan(torch.tensor([0, 2, 6]), torch.tensor([1, 2, 3]), True, False, x) is None  # no rectangle
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)  # the user's switch, which SDPA obeys on CPU too
+    try:
+        assert FL.plan(p(1), p(1), True, False, x) is None
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
 
 
 def _ring_in_process(q, k, v, layout: SequenceLayout, doc, causal: bool, dout):
