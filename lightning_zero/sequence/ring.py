@@ -36,9 +36,10 @@ from them, which are then exactly the block's share of the global softmax's grad
 kernels run in the inputs' dtype (bf16 on GPUs) and return an fp32 log-sum-exp; merges and accumulators
 stay fp32.
 What stays plain: document masks of packed sequences (a block's visible part is then no rectangle),
-positions that are not ascending, dtypes or head dims the kernel refuses (flash.kernel_takes: fp32 on
-CUDA among them). The choice changes nothing beyond the kernels' rounding: tests/sequence checks both
-paths against one-process attention.
+positions that are not ascending, flash SDPA switched off by the user, dtypes or head dims the kernel
+refuses (flash.kernel_takes: fp32 on CUDA among them). The choice changes nothing beyond the kernels'
+rounding: tests/sequence checks both paths against one-process attention (test_ring_fused.py plays the
+ring's schedule in one process; the 2- and 4-rank runs count the fused calls).
 """
 
 from __future__ import annotations
