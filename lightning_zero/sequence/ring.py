@@ -16,12 +16,35 @@ its accumulators are sent on the last one) is home with its complete gradient. `
 Memory: the saved tensors are this rank's ``q, k, v, out, lse``; nothing of size ``S x S`` or of the whole
 sequence is kept. Received blocks live while attended to and while the next one arrives: at most two
 besides the rank's own (forward), two with their ``dK, dV`` accumulators (backward); tests/sequence counts
-them. The compute per block is plain torch (blockwise.py), so the same code runs on gloo in CI;
-on GPUs a fused kernel returning the log-sum-exp can replace ``block_forward``/``block_backward``.
+them. Block pairs go through torch's fused flash kernels where they can, the rest through plain torch
+(blockwise.py): [Note: fused blocks].
+
+[Note: fused blocks]
+Why: plain-torch blocks materialise the fp32 ``Sq x Sk`` scores (and in the backward the probabilities and
+their gradient) of every block pair; on 4 x H200 at 32K tokens that made ring attention 7x slower than
+Ulysses at almost 3x its peak memory (benchmarks/RESULTS.md). torch's flash kernels (flash.py: CPU
+``_scaled_dot_product_flash_attention_for_cpu``, CUDA ``_scaled_dot_product_flash_attention``) keep the
+scores in tiles and return the block's log-sum-exp, which is all blockwise.merge needs.
+How: flash.plan decides per block pair, on the host from the global positions, whether its visible part
+is one rectangle the kernel computes without a mask: queries ``rows:`` against keys ``:keys``, all
+visible (a block entirely before this rank's tokens, or half of one in the zigzag layout) or causal on
+the diagonal (the rank's own block). The forward merges the kernel's ``(o_b, lse_b)`` into those rows in
+fp32. The backward calls the kernel's backward per block with the *merged* output and log-sum-exp of
+all blocks, not the block's own: the kernel recomputes ``P_b = exp(S_b - lse)`` and ``D = rowsum(dO * o)``
+from them, which are then exactly the block's share of the global softmax's gradient (blockwise.py
+[Note: merging partial softmaxes]), so ``dq, dk, dv`` accumulate over blocks as on the plain path. The
+kernels run in the inputs' dtype (bf16 on GPUs) and return an fp32 log-sum-exp; merges and accumulators
+stay fp32.
+What stays plain: document masks of packed sequences (a block's visible part is then no rectangle),
+positions that are not ascending, flash SDPA switched off by the user, dtypes or head dims the kernel
+refuses (flash.kernel_takes: fp32 on CUDA among them). The choice changes nothing beyond the kernels'
+rounding: tests/sequence checks both paths against one-process attention (test_ring_fused.py plays the
+ring's schedule in one process; the 2- and 4-rank runs count the fused calls).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -29,6 +52,7 @@ from torch import Tensor
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.sequence import blockwise as B
+from lightning_zero.sequence import flash as FL
 from lightning_zero.sequence.layout import SequenceLayout
 
 
@@ -61,10 +85,77 @@ def _skip(q_pos: Tensor, k_pos: Tensor, causal: bool) -> bool:
     return causal and int(k_pos.min()) > int(q_pos.max())
 
 
+def _merge_rows(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """blockwise.merge of a fused block that covers queries ``rows:`` only (flash.FusedBlock)."""
+    if rows == 0:
+        return B.merge(out, lse, o_b, lse_b)
+    out[:, :, rows:], lse[:, :, rows:] = B.merge(out[:, :, rows:], lse[:, :, rows:], o_b, lse_b)
+    return out, lse
+
+
 def _positions(layout: SequenceLayout, owner: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """The host and device copies of the positions of ``owner``'s tokens."""
     pos = layout.positions(owner)
     return pos, pos.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class _Queries:
+    """This rank's side of every block pair: its queries, their positions (host, device), document ids."""
+
+    q: Tensor
+    host: Tensor
+    pos: Tensor
+    doc: Optional[Tensor]
+    causal: bool
+    scale: float
+
+
+@dataclass(frozen=True)
+class _Upstream:
+    """What every block's backward reads: the output's gradient, the merged output (in ``q``'s dtype for the
+    fused kernel, fp32 ``delta = rowsum(dout * out)`` for the plain path), the merged lse, the kernel's rng."""
+
+    dout: Tensor
+    out: Tensor
+    lse: Tensor
+    delta: Tensor
+    rng: Any
+
+
+def _fold_block(me: _Queries, k: Tensor, v: Tensor, k_at: tuple[Tensor, Tensor], k_doc: Optional[Tensor],
+                out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Any]:
+    """Fold one key/value block (positions ``k_at``: host, device) into the running fp32 ``(out, lse)``:
+    the fused kernel where flash.plan allows it ([Note: fused blocks]), plain torch otherwise, nothing when
+    no query sees a key. Returns the new ``(out, lse)`` and the kernel's rng tensors (or None)."""
+    if _skip(me.host, k_at[0], me.causal):
+        return out, lse, None
+    fused = FL.plan(me.host, k_at[0], me.causal, me.doc is not None, me.q)
+    if fused is not None:
+        o_b, lse_b, rng = FL.forward(me.q, k, v, fused, me.scale)
+        return (*_merge_rows(out, lse, o_b, lse_b, fused.rows), rng)
+    o_b, lse_b = B.block_forward(me.q, k, v, B.visible(me.pos, k_at[1], me.doc, k_doc, me.causal), me.scale)
+    return (*B.merge(out, lse, o_b, lse_b), None)
+
+
+def _add_block_grads(me: _Queries, k: Tensor, v: Tensor, k_at: tuple[Tensor, Tensor], k_doc: Optional[Tensor],
+                     up: _Upstream, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """Add one block's share of the gradients, in place: to ``dq`` (this rank's queries) and to the block's
+    travelling accumulators ``dk, dv``; the same path choice as :func:`_fold_block`."""
+    if _skip(me.host, k_at[0], me.causal):
+        return
+    fused = FL.plan(me.host, k_at[0], me.causal, me.doc is not None, me.q)
+    if fused is not None:  # the merged output and lse: [Note: fused blocks]
+        dq_b, dk_b, dv_b = FL.backward(me.q, k, v, fused, me.scale, up.dout, up.out, up.lse, up.rng)
+        dq[:, :, fused.rows:] += dq_b
+        dk[:, :, :fused.keys] += dk_b
+        dv[:, :, :fused.keys] += dv_b
+        return
+    mask = B.visible(me.pos, k_at[1], me.doc, k_doc, me.causal)
+    dq_b, dk_b, dv_b = B.block_backward(me.q, k, v, mask, me.scale, up.dout, up.lse, up.delta)
+    dq += dq_b
+    dk += dk_b
+    dv += dv_b
 
 
 class _RingAttention(torch.autograd.Function):
@@ -74,24 +165,24 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, doc: Optional[Tensor],
                 causal: bool, scale: float, group: Optional[C.ProcessGroup]) -> Tensor:
         n, r = C.world_size(group), C.rank(group)
-        q_host, q_pos = _positions(layout, r, q.device)
+        me = _Queries(q, *_positions(layout, r, q.device), doc, causal, scale)
         block = [k, v] + ([doc] if doc is not None else [])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        rng = None
         for t in range(n):
             works: list[Any] = []
             if t < n - 1:
                 nxt, works = _rotate(block, group)
-            k_host, k_pos = _positions(layout, (r - t) % n, q.device)
-            if not _skip(q_host, k_host, causal):  # no name outlives the block: two blocks live, never three
-                mask = B.visible(q_pos, k_pos, doc, block[2] if doc is not None else None, causal)
-                o_b, lse_b = B.block_forward(q, block[0], block[1], mask, scale)
-                out, lse = B.merge(out, lse, o_b, lse_b)
+            at = _positions(layout, (r - t) % n, q.device)  # no name outlives the block: two live, never three
+            out, lse, got = _fold_block(me, block[0], block[1], at, block[2] if doc is not None else None, out, lse)
+            rng = got if got is not None else rng
             if t < n - 1:
                 _arrive(works)
                 block = nxt
         ctx.save_for_backward(q, k, v, out, lse, *([doc] if doc is not None else []))
         ctx.causal, ctx.scale, ctx.group, ctx.has_doc, ctx.layout = causal, scale, group, doc is not None, layout
+        ctx.rng = rng  # the CUDA kernel's rng tensors (tiny; unread at dropout 0), None on CPU: flash.py
         return out.to(q.dtype)
 
     @staticmethod
@@ -100,22 +191,17 @@ class _RingAttention(torch.autograd.Function):
         doc = rest[0] if ctx.has_doc else None
         group = ctx.group
         n, r = C.world_size(group), C.rank(group)
-        q_host, q_pos = _positions(ctx.layout, r, q.device)
-        delta = (dout.float() * out).sum(-1)
+        me = _Queries(q, *_positions(ctx.layout, r, q.device), doc, ctx.causal, ctx.scale)
+        dout = dout.contiguous()  # the kernels read strides; autograd may hand an expanded gradient
+        # out in q's dtype is what the fused backward takes (no copy in fp32)
+        up = _Upstream(dout, out.to(q.dtype), lse, (dout.float() * out).sum(-1), ctx.rng)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block = [k, v] + ([doc] if doc is not None else [])
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for t in range(n):
-            bk, bv = block[0], block[1]
-            bdoc = block[2] if doc is not None else None
-            k_host, k_pos = _positions(ctx.layout, (r - t) % n, q.device)
-            if not _skip(q_host, k_host, ctx.causal):
-                mask = B.visible(q_pos, k_pos, doc, bdoc, ctx.causal)
-                dq_b, dk_b, dv_b = B.block_backward(q, bk, bv, mask, ctx.scale, dout, lse, delta)
-                dq += dq_b
-                dk += dk_b
-                dv += dv_b
+            at = _positions(ctx.layout, (r - t) % n, q.device)
+            _add_block_grads(me, block[0], block[1], at, block[2] if doc is not None else None, up, dq, dk, dv)
             if n > 1:  # the block moves on with its accumulators; on the last pass only they travel (home)
                 *block, dk, dv = _exchange((block if t < n - 1 else []) + [dk, dv], group)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

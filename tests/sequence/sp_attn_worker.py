@@ -3,7 +3,8 @@ ranks against one-process attention. SPEC is ``key=value`` pairs joined by ``,``
 doc (1: a packed batch of documents of different lengths), heads, kv_heads, seq, dtype (float32|bfloat16).
 Every rank builds the same full ``q, k, v`` and output gradient, runs the reference on the whole sequence,
 runs the parallel attention on its own tokens and records the relative error of its output and of its
-``q, k, v`` gradients against the reference's rows for those tokens. Rank 0 writes ``OUT/NAME.pt``.
+``q, k, v`` gradients against the reference's rows for those tokens, and how many block pairs went
+through the fused kernels (ring.py [Note: fused blocks]). Rank 0 writes ``OUT/NAME.pt``.
 ``mem=1`` (one document per row, causal) records memory instead, counted by storage: the bytes autograd
 saves for the backward in the parallel attention and in SDPA's causal attention over the whole sequence on
 one process, and, for ring attention, the peak live bytes of the key/value blocks received from the other
@@ -70,6 +71,33 @@ class ReceivedBlocks:
         self.ring._rotate = self.original
 
 
+class FusedCalls:
+    """Counts ring attention's calls of the fused kernels (flash.forward / flash.backward: ring.py
+    [Note: fused blocks]) by wrapping them while the block runs."""
+
+    def __init__(self) -> None:
+        import lightning_zero.sequence.flash as flash
+
+        self.flash, self.calls = flash, {"forward": 0, "backward": 0}
+        self.original = {name: getattr(flash, name) for name in self.calls}
+
+    def _counted(self, name: str):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return self.original[name](*args, **kwargs)
+
+        return call
+
+    def __enter__(self) -> "FusedCalls":
+        for name in self.calls:
+            setattr(self.flash, name, self._counted(name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.original.items():
+            setattr(self.flash, name, fn)
+
+
 def run_memory(name: str, spec: str, out: str, opts: dict[str, str]) -> None:
     n, r = dist.get_world_size(), dist.get_rank()
     heads, kv_heads, seq = int(opts.get("heads", 4)), int(opts.get("kv_heads", opts.get("heads", 4))), int(opts["seq"])
@@ -114,11 +142,13 @@ def run(name: str, spec: str, out: str) -> None:
     local = [layout.shard(t, r, dim=2).clone().requires_grad_() for t in (q, k, v)]
     local_doc = layout.shard(doc, r, dim=1) if doc is not None else None
     fn = ring_attention if opts.get("impl", "ring") == "ring" else ulysses_attention
-    got = fn(*local, layout, None, doc=local_doc, causal=causal)
-    got.backward(layout.shard(dout, r, dim=2))
+    with FusedCalls() as fused:
+        got = fn(*local, layout, None, doc=local_doc, causal=causal)
+        got.backward(layout.shard(dout, r, dim=2))
 
     errors = {"out": tensor_rel(got.float(), layout.shard(ref.detach(), r, dim=2))}
     for key, mine, whole in zip("qkv", local, full):
         errors[f"d{key}"] = tensor_rel(mine.grad.float(), layout.shard(whole.grad, r, dim=2))
-    save_result({"spec": spec}, {"errors": errors, "dtype": str(got.dtype), "local_len": got.shape[2]}, out, name)
+    save_result({"spec": spec}, {"errors": errors, "dtype": str(got.dtype), "local_len": got.shape[2],
+                                 "fused": fused.calls}, out, name)
 

@@ -159,11 +159,14 @@ def test_parallel_attention_matches_the_whole_sequence(ranks: dict[str, dict], n
         assert rec["local_len"] == 32 // len(per_rank)
         bad = {k: e for k, e in rec["errors"].items() if not e < TOL}
         assert not bad, (name, r, bad)
+        if name.startswith("ring"):  # ring.py [Note: fused blocks]: each pair with a visible key fused, unless packed
+            pairs = 0 if "doc=1" in RUNS[name] else r + 1 if "contiguous" in name else len(per_rank)
+            assert rec["fused"] == {"forward": pairs, "backward": pairs}, (name, r, rec["fused"])
 
 
 def test_bf16_stays_bf16_and_close(ranks: dict[str, dict]) -> None:
     for rec in ranks["ring_bf16"]["per_rank"]:
-        assert rec["dtype"] == "torch.bfloat16"
+        assert rec["dtype"] == "torch.bfloat16" and rec["fused"]["forward"] == len(ranks["ring_bf16"]["per_rank"])
         assert all(e < 2e-2 for e in rec["errors"].values()), rec["errors"]
 
 
