@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_zero.inference.triton_wo import _AUTOTUNE, _INTERPRET, takes
+from lightning_zero.inference.triton_wo import _AUTOTUNE, _INTERPRET, call_op, takes
 from lightning_zero.optim.triton_adam import tl, triton
 
 if triton is not None:
@@ -93,13 +93,7 @@ def triton_gemv(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     autograd needing a backward; and anything but one row)."""
     if not takes(x, layer) or x.numel() != layer.in_features:
         return None
-    row = x.reshape(1, layer.in_features)
-    if row.stride(-1) != 1:
-        row = row.contiguous()
-    bias = layer.bias.to(x.dtype) if layer.bias is not None else None
-    y = torch.ops.lightning_zero.weight_only_gemv(row, layer.codes, layer.scales, bias, layer.out_features,
-                                                   layer.bits, layer.group_size)
-    return y.reshape(*x.shape[:-1], layer.out_features)
+    return call_op(torch.ops.lightning_zero.weight_only_gemv, x, layer, 1)
 
 
 def register_gemv() -> Callable[[], None]:

@@ -28,7 +28,7 @@ tests check it without a GPU when Triton is installed.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -148,10 +148,15 @@ def triton_weight_only(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     rows = x.numel() // max(layer.in_features, 1)
     if rows == 0 or rows > MAX_ROWS:
         return None
+    return call_op(torch.ops.lightning_zero.weight_only_matmul, x, layer, rows)
+
+
+def call_op(op: Any, x: Tensor, layer: nn.Module, rows: int) -> Tensor:
+    """``op(x2, codes, scales, bias, out_features, bits, group_size)`` on ``x`` as ``rows`` contiguous rows
+    (the bias in ``x``'s dtype), shaped back to ``x``'s leading dims."""
     x2 = x.reshape(rows, layer.in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     bias = layer.bias.to(x.dtype) if layer.bias is not None else None
-    y = torch.ops.lightning_zero.weight_only_matmul(x2, layer.codes, layer.scales, bias, layer.out_features,
-                                                     layer.bits, layer.group_size)
+    y = op(x2, layer.codes, layer.scales, bias, layer.out_features, layer.bits, layer.group_size)
     return y.reshape(*x.shape[:-1], layer.out_features)
