@@ -8,9 +8,12 @@ rank during fit is printed in full by one rank and in one line by the other (fai
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,19 +24,60 @@ from tests.helpers.launch import ROOT
 
 BOUND_S = 180
 MAX_LINES = 40
+NVME_CASES = {"missing": "does not exist", "no_path": "needs nvme_path"}
+"""The two refused ``zero3_offload_nvme`` runs: a path that does not exist, and none at all."""
 
 
-def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
-           *overrides, f"hydra.run.dir={tmp_path}"]
-    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=BOUND_S)
+class Runs:
+    """The module's three CLI runs, started at once (each is its own interpreter importing Hydra and Lightning,
+    mostly one core's work: on CI's two cores three at once take about the time of the longest); ``get``
+    waits for one and returns its output."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.done: dict[str, subprocess.CompletedProcess] = {}
+        self._start("bad_lr", tmp / "bad_lr", "optimizer.lr=-1")  # AdamW raises in configure_optimizers on both ranks
+        self._start("missing", tmp / "missing", "strategy=zero3_offload_nvme", f"strategy.nvme_path={tmp / 'nope'}")
+        self._start("no_path", tmp / "no_path", "strategy=zero3_offload_nvme")
+
+    def _start(self, name: str, run_dir: Path, *overrides: str) -> None:
+        cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
+               *overrides, f"hydra.run.dir={run_dir}"]
+        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def get(self, name: str) -> subprocess.CompletedProcess:
+        if name not in self.done:
+            proc = self.procs[name]
+            try:
+                out, err = proc.communicate(timeout=BOUND_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                raise AssertionError(f"{name}: still running after {BOUND_S} s\n{(out + err)[-3000:]}")
+            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return self.done[name]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
+    started = Runs(tmp_path_factory.mktemp("cli_errors"))
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @pytest.mark.slow
-def test_bad_nvme_path_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    for overrides, message in [((f"strategy.nvme_path={tmp_path / 'nope'}",), "does not exist"),
-                               ((), "needs nvme_path")]:
-        proc = _train(tmp_path, "strategy=zero3_offload_nvme", *overrides)
+def test_bad_nvme_path_is_refused_before_any_process_starts(runs: Runs) -> None:
+    for name, message in NVME_CASES.items():
+        proc = runs.get(name)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and message in out, out[-3000:]
         assert "Initializing distributed" not in out, out[-3000:]  # refused before the launch
@@ -41,8 +85,8 @@ def test_bad_nvme_path_is_refused_before_any_process_starts(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_an_error_on_every_rank_is_printed_in_full_once(tmp_path: Path) -> None:
-    proc = _train(tmp_path, "optimizer.lr=-1")  # AdamW raises in configure_optimizers on both ranks
+def test_an_error_on_every_rank_is_printed_in_full_once(runs: Runs) -> None:
+    proc = runs.get("bad_lr")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     lines = out.splitlines()
