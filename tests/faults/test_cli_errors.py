@@ -8,10 +8,7 @@ rank during fit is printed in full by one rank and in one line by the other (fai
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +18,7 @@ import pytest
 from tests.checkpoint.launch import clean_env
 from tests.faults.launch import traceback_reports
 from tests.helpers.launch import ROOT
+from tests.helpers.side_by_side import SideBySide
 
 BOUND_S = 180
 MAX_LINES = 40
@@ -28,46 +26,20 @@ NVME_CASES = {"missing": "does not exist", "no_path": "needs nvme_path"}
 """The two refused ``zero3_offload_nvme`` runs: a path that does not exist, and none at all."""
 
 
-class Runs:
-    """The module's three CLI runs, started at once (each is its own interpreter importing Hydra and Lightning,
-    mostly one core's work: on CI's two cores three at once take about the time of the longest); ``get``
-    waits for one and returns its output."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.done: dict[str, subprocess.CompletedProcess] = {}
-        self._start("bad_lr", tmp / "bad_lr", "optimizer.lr=-1")  # AdamW raises in configure_optimizers on both ranks
-        self._start("missing", tmp / "missing", "strategy=zero3_offload_nvme", f"strategy.nvme_path={tmp / 'nope'}")
-        self._start("no_path", tmp / "no_path", "strategy=zero3_offload_nvme")
-
-    def _start(self, name: str, run_dir: Path, *overrides: str) -> None:
-        cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
-               *overrides, f"hydra.run.dir={run_dir}"]
-        self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-    def get(self, name: str) -> subprocess.CompletedProcess:
-        if name not in self.done:
-            proc = self.procs[name]
-            try:
-                out, err = proc.communicate(timeout=BOUND_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                raise AssertionError(f"{name}: still running after {BOUND_S} s\n{(out + err)[-3000:]}")
-            self.done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-        return self.done[name]
-
-    def close(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
+            *overrides, f"hydra.run.dir={run_dir}"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    started = Runs(tmp_path_factory.mktemp("cli_errors"))
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SideBySide]:
+    """The module's three CLI runs, started at once (tests/helpers/side_by_side.py [Note: side by side])."""
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    started = SideBySide({
+        "bad_lr": _command(tmp / "bad_lr", "optimizer.lr=-1"),  # AdamW raises in configure_optimizers on both ranks
+        "missing": _command(tmp / "missing", "strategy=zero3_offload_nvme", f"strategy.nvme_path={tmp / 'nope'}"),
+        "no_path": _command(tmp / "no_path", "strategy=zero3_offload_nvme"),
+    }, cwd=ROOT, env=clean_env(), timeout=BOUND_S)
     try:
         yield started
     finally:
@@ -75,7 +47,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
 
 
 @pytest.mark.slow
-def test_bad_nvme_path_is_refused_before_any_process_starts(runs: Runs) -> None:
+def test_bad_nvme_path_is_refused_before_any_process_starts(runs: SideBySide) -> None:
     for name, message in NVME_CASES.items():
         proc = runs.get(name)
         out = proc.stdout + proc.stderr
@@ -85,7 +57,7 @@ def test_bad_nvme_path_is_refused_before_any_process_starts(runs: Runs) -> None:
 
 
 @pytest.mark.slow
-def test_an_error_on_every_rank_is_printed_in_full_once(runs: Runs) -> None:
+def test_an_error_on_every_rank_is_printed_in_full_once(runs: SideBySide) -> None:
     proc = runs.get("bad_lr")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
