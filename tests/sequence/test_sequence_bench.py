@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,36 +13,34 @@ from benchmarks.sequence import next_length, tokens
 from benchmarks.sequence_plan import GIB, ceiling, host_ckpt_bytes_per_layer, offload_state_bytes, pinned_block, plan
 from benchmarks.presets import llama_preset
 from tests.helpers.launch import ROOT, user_env
+from tests.helpers.side_by_side import SideBySide
 
 VOCAB = 1024  # llama_tiny
 
 
-def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "benchmarks/sequence.py", *args, "--out-dir", str(tmp_path)], cwd=ROOT,
-                            env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _command(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "benchmarks/sequence.py", *args, "--out-dir", str(tmp_path)]
 
 
-def _bench(tmp_path: Path, proc: subprocess.Popen) -> tuple[list[dict], str]:
-    """The rows and table of a run :func:`_start` began, once it has ended."""
-    try:
-        out, err = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+def _bench(tmp_path: Path, runs: SideBySide, name: str) -> tuple[list[dict], str]:
+    """The rows and table of run ``name`` once it has ended."""
+    proc = runs.get(name)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines() if line.strip()]
     return rows, (tmp_path / "table.md").read_text()
 
 
 def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
-    # both runs at once: mostly interpreter start-up and imports, which leave one of CI's two cores idle
-    longest = _start(tmp_path / "longest", "longest", "--device", "cpu", "--model", "tiny", "--seq-lens", "512",
-                     "--gpu-ckpt-layers", "1")
-    sp = _start(tmp_path / "sp", "sp", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--configs", "ours",
-                "--seq-lens", "1024", "--steps", "2", "--profile")
+    # both runs at once (tests/helpers/side_by_side.py [Note: side by side])
+    runs = SideBySide({
+        "longest": _command(tmp_path / "longest", "longest", "--device", "cpu", "--model", "tiny", "--seq-lens", "512",
+                            "--gpu-ckpt-layers", "1"),
+        "sp": _command(tmp_path / "sp", "sp", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--configs", "ours",
+                       "--seq-lens", "1024", "--steps", "2", "--profile"),
+    }, cwd=ROOT, env=user_env(), timeout=900)
     try:
         # one GPU's search, one length: of the 2 layers, one keeps its checkpoint on the device, one offloads it
-        rows, table = _bench(tmp_path / "longest", longest)
+        rows, table = _bench(tmp_path / "longest", runs, "longest")
         (rank,) = [r for r in rows if r["kind"] == "rank"]
         # read back from the modules; the host holds exactly what the plan counts: one layer's 2 x hidden bytes
         # per token
@@ -57,7 +54,7 @@ def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
         assert "Command: `python3 benchmarks/sequence.py longest" in table and "Device: CPU" in table
 
         # sequence parallel 2 through the strategy (tiled_mlp, sequence_parallel), profiled: our row only
-        rows, table = _bench(tmp_path / "sp", sp)
+        rows, table = _bench(tmp_path / "sp", runs, "sp")
         ranks = [r for r in rows if r["kind"] == "rank"]
         assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
         assert all(r["applied"] == {"checkpointed": 2, "offloaded": 0, "tiled_mlp": 2, "host_ckpt_peak_bytes": 0}
@@ -68,10 +65,7 @@ def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
         assert all("CPU run" in r["comm"]["note"] for r in ranks)
         assert "| 1K | ours |" in table and "not run" not in table
     finally:  # an assertion on the first run leaves no second one running
-        for proc in (longest, sp):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        runs.close()
 
 
 def test_search_grows_then_bisects_within_the_bound() -> None:
