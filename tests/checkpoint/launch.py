@@ -9,14 +9,11 @@ on a timeout (no test can hang CI).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from tests.helpers.harness import ScenarioRun, run_scenario
-from tests.helpers.launch import ROOT
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
@@ -85,9 +82,3 @@ class Launch:
 def launch(tmp: Path, nproc: int, plan: list[dict[str, Any]], timeout: int = 300) -> Launch:
     run = run_scenario("checkpoint.plan", nprocs=nproc, params={"plan": plan}, timeout=timeout, out=tmp, env=CPU_ONLY)
     return Launch(run, [step["name"] for step in plan])
-
-
-def run_cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """``python -m lightning_zero.checkpoint ARGS`` in a fresh interpreter."""
-    return subprocess.run([sys.executable, "-m", "lightning_zero.checkpoint", *args], cwd=ROOT, env=clean_env(),
-                          capture_output=True, text=True, timeout=timeout)

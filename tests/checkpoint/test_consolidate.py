@@ -11,13 +11,18 @@ the weights exactly, ``inspect`` reports step and world size; ``load_from_checkp
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.checkpoint.common import assert_same, assert_same_optimizer, assert_same_weights, load
 from tests.checkpoint.conftest import SAVE_EVERY
-from tests.checkpoint.launch import run_cli
+from tests.checkpoint.launch import clean_env
 from tests.checkpoint.models import CkptNet
+from tests.helpers.launch import ROOT
+from tests.helpers.side_by_side import SideBySide
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +33,24 @@ def reference(written) -> tuple[dict, dict]:
     run.ok("consolidate_z3")
     assert paths.z3_full.is_file(), paths.z3_full
     return saved, load(paths.z3_full)
+
+
+@pytest.fixture(scope="module")
+def cli(written, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SideBySide, Path]]:
+    """The three CLI runs on the step-3 checkpoint, started at once (tests/helpers/side_by_side.py [Note: side
+    by side]), and their output folder."""
+    _, paths = written
+    tmp = tmp_path_factory.mktemp("ckpt_cli")
+    cmd = [sys.executable, "-m", "lightning_zero.checkpoint"]
+    runs = SideBySide({
+        "consolidate": [*cmd, "consolidate", str(paths.z3_step3), str(tmp / "cli.ckpt")],
+        "safetensors": [*cmd, "consolidate", str(paths.z3_step3), str(tmp / "weights.safetensors"), "--safetensors"],
+        "inspect": [*cmd, "inspect", str(paths.z3_step3)],
+    }, cwd=ROOT, env=clean_env(), timeout=120)
+    try:
+        yield runs, tmp
+    finally:
+        runs.close()
 
 
 def test_consolidated_file_is_an_ordinary_lightning_checkpoint(reference) -> None:
@@ -75,11 +98,11 @@ def test_is_sharded_checkpoint(written) -> None:
     assert not is_sharded_checkpoint(str(paths.z3_full))
 
 
-def test_cli_consolidate_writes_the_same_checkpoint(written, reference, tmp_path) -> None:
-    _, paths = written
+def test_cli_consolidate_writes_the_same_checkpoint(cli, reference) -> None:
+    runs, tmp = cli
     _, ckpt = reference
-    out = tmp_path / "cli.ckpt"
-    proc = run_cli("consolidate", str(paths.z3_step3), str(out))
+    out = tmp / "cli.ckpt"
+    proc = runs.get("consolidate")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = load(out)
     assert_same_weights(got["state_dict"], ckpt["state_dict"])
@@ -88,13 +111,13 @@ def test_cli_consolidate_writes_the_same_checkpoint(written, reference, tmp_path
     assert_same(got["lr_schedulers"], ckpt["lr_schedulers"])
 
 
-def test_safetensors_export_round_trips(written, reference, tmp_path) -> None:
+def test_safetensors_export_round_trips(cli, reference) -> None:
     from safetensors.torch import load_file
 
-    _, paths = written
+    runs, tmp = cli
     saved, _ = reference
-    out = tmp_path / "weights.safetensors"
-    proc = run_cli("consolidate", str(paths.z3_step3), str(out), "--safetensors")
+    out = tmp / "weights.safetensors"
+    proc = runs.get("safetensors")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_same_weights(load_file(str(out)), saved)
     model = CkptNet()
@@ -102,9 +125,8 @@ def test_safetensors_export_round_trips(written, reference, tmp_path) -> None:
     assert_same_weights(model.state_dict(), saved)
 
 
-def test_inspect_reports_step_and_world_size(written) -> None:
-    _, paths = written
-    proc = run_cli("inspect", str(paths.z3_step3))
+def test_inspect_reports_step_and_world_size(cli) -> None:
+    proc = cli[0].get("inspect")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
     assert re.search(rf"step\D{{0,30}}\b{SAVE_EVERY}\b", text, re.IGNORECASE), text

@@ -5,27 +5,45 @@ missing checkpoint, and a refusal from inside the build (a 1-bit optimizer under
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tests.helpers.launch import user_env  # noqa: E402
+from tests.helpers.side_by_side import SideBySide
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize(("override", "says"), [
+REFUSALS = [
     ("+unknown_key=1", "unknown config key 'unknown_key'"),
     ("seeed=1", "did you mean 'seed'?"),
     ("+trainer.max_stepz=3", "unknown config key(s) trainer.max_stepz"),
     ("ckpt_path=nowhere/last.ckpt", "does not exist"),
     ("optimizer=onebit_adam", "works with ZeRO stage(s) [0] only"),
-])
-def test_refused_in_one_line_without_a_run_directory(tmp_path: Path, override: str, says: str) -> None:
+]
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SideBySide, dict[str, Path]]]:
+    """Every refused run started at once, each in an empty directory of its own (tests/helpers/side_by_side.py
+    [Note: side by side])."""
+    dirs = {override: tmp_path_factory.mktemp("refused") for override, _ in REFUSALS}
     env = user_env()  # a Lightning run earlier in this process leaves LOCAL_RANK... (launch.py)
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), override, "logger=none"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    started = SideBySide({o: [sys.executable, str(ROOT / "examples" / "train.py"), o, "logger=none"] for o in dirs},
+                         cwd=dirs, env=env, timeout=300)
+    try:
+        yield started, dirs
+    finally:
+        started.close()
+
+
+@pytest.mark.parametrize(("override", "says"), REFUSALS)
+def test_refused_in_one_line_without_a_run_directory(refusals: tuple[SideBySide, dict[str, Path]], override: str,
+                                                     says: str) -> None:
+    runs, dirs = refusals
+    proc, tmp_path = runs.get(override), dirs[override]
     assert proc.returncode != 0, proc.stdout[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert says in proc.stderr, proc.stderr[-3000:]

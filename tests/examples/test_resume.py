@@ -26,6 +26,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from lightning_zero.offload import estimator as est  # noqa: E402
 from lightning_zero.offload.estimator import count_params  # noqa: E402
 from tests.helpers.launch import user_env  # noqa: E402
+from tests.helpers.side_by_side import SideBySide  # noqa: E402
 
 STEPS, KILL_AT, EVERY = 8, 5, 2
 TOL = 1e-6
@@ -34,13 +35,16 @@ COMMON = ["model=gpt_tiny", "trainer=debug", "logger=none", f"trainer.max_steps=
           "+callbacks.probe._target_=tests.examples.probe.StepProbe"]
 
 
-def _train(run_dir: Path, probe: Path, *extra: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+def _command(run_dir: Path, probe: Path, *extra: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / "train.py"), *COMMON, f"hydra.run.dir={run_dir}",
+            f"+callbacks.probe.out={probe}", *extra]
+
+
+def _train(run_dir: Path, probe: Path, *extra: str) -> subprocess.CompletedProcess:
     env = user_env()  # a Lightning run earlier in this process leaves LOCAL_RANK... (launch.py)
-    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), *COMMON, f"hydra.run.dir={run_dir}",
-           f"+callbacks.probe.out={probe}", *extra]
-    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=300)
-    if expect_ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run(_command(run_dir, probe, *extra), cwd=run_dir.parent, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
@@ -57,13 +61,23 @@ def _losses(probe: Path, rank: int) -> dict[int, float]:
 def test_killed_example_resumes_with_the_same_losses(tmp_path: Path, stage: str) -> None:
     opts = [f"strategy={stage}"] + (["strategy.param_persistence_threshold=0"] if stage == "zero3" else [])
     (tmp_path / "ref").mkdir()
-    (tmp_path / "chain").mkdir()
-    _train(tmp_path / "ref" / "run", tmp_path / "ref_probe", *opts)
-    killed = _train(tmp_path / "chain" / "a", tmp_path / "killed_probe", *opts, "+callbacks.probe.kill_at=5",
-                    expect_ok=False)
+    # the killed and the resumed run beside each other in chain/runs/, the reference out of reach of
+    # ``ckpt_path=last``'s search (this run directory, those beside it and one level up): its last.ckpt is newer
+    chain = tmp_path / "chain" / "runs"
+    chain.mkdir(parents=True)
+    # the reference and the run to be killed side by side (tests/helpers/side_by_side.py [Note: side by side])
+    runs = SideBySide({"ref": _command(tmp_path / "ref" / "run", tmp_path / "ref_probe", *opts),
+                       "killed": _command(chain / "a", tmp_path / "killed_probe", *opts,
+                                          "+callbacks.probe.kill_at=5")},
+                      cwd={"ref": tmp_path / "ref", "killed": chain}, env=user_env(), timeout=300)
+    try:
+        ref_run, killed = runs.get("ref"), runs.get("killed")
+    finally:
+        runs.close()
+    assert ref_run.returncode == 0, ref_run.stdout[-3000:] + ref_run.stderr[-3000:]
     assert killed.returncode != 0, "the run was not killed"
-    assert (tmp_path / "chain" / "a" / "checkpoints" / "last.ckpt").exists()
-    resumed = _train(tmp_path / "chain" / "b", tmp_path / "resumed_probe", *opts, "ckpt_path=last")
+    assert (chain / "a" / "checkpoints" / "last.ckpt").exists()
+    resumed = _train(chain / "b", tmp_path / "resumed_probe", *opts, "ckpt_path=last")
     assert "resume from" in resumed.stdout + resumed.stderr
     for rank in (0, 1):
         ref, killed_l, res = (_losses(tmp_path / p, rank) for p in ("ref_probe", "killed_probe", "resumed_probe"))

@@ -9,8 +9,8 @@ rank during fit is printed in full by one rank and in one line by the other (fai
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,22 +18,38 @@ import pytest
 from tests.checkpoint.launch import clean_env
 from tests.faults.launch import traceback_reports
 from tests.helpers.launch import ROOT
+from tests.helpers.side_by_side import SideBySide
 
 BOUND_S = 180
 MAX_LINES = 40
+NVME_CASES = {"missing": "does not exist", "no_path": "needs nvme_path"}
+"""The two refused ``zero3_offload_nvme`` runs: a path that does not exist, and none at all."""
 
 
-def _train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
-           *overrides, f"hydra.run.dir={tmp_path}"]
-    return subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=BOUND_S)
+def _command(run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / "train.py"), "model=gpt_tiny", "trainer=debug", "logger=none",
+            *overrides, f"hydra.run.dir={run_dir}"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SideBySide]:
+    """The module's three CLI runs, started at once (tests/helpers/side_by_side.py [Note: side by side])."""
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    started = SideBySide({
+        "bad_lr": _command(tmp / "bad_lr", "optimizer.lr=-1"),  # AdamW raises in configure_optimizers on both ranks
+        "missing": _command(tmp / "missing", "strategy=zero3_offload_nvme", f"strategy.nvme_path={tmp / 'nope'}"),
+        "no_path": _command(tmp / "no_path", "strategy=zero3_offload_nvme"),
+    }, cwd=ROOT, env=clean_env(), timeout=BOUND_S)
+    try:
+        yield started
+    finally:
+        started.close()
 
 
 @pytest.mark.slow
-def test_bad_nvme_path_is_refused_before_any_process_starts(tmp_path: Path) -> None:
-    for overrides, message in [((f"strategy.nvme_path={tmp_path / 'nope'}",), "does not exist"),
-                               ((), "needs nvme_path")]:
-        proc = _train(tmp_path, "strategy=zero3_offload_nvme", *overrides)
+def test_bad_nvme_path_is_refused_before_any_process_starts(runs: SideBySide) -> None:
+    for name, message in NVME_CASES.items():
+        proc = runs.get(name)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and message in out, out[-3000:]
         assert "Initializing distributed" not in out, out[-3000:]  # refused before the launch
@@ -41,8 +57,8 @@ def test_bad_nvme_path_is_refused_before_any_process_starts(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_an_error_on_every_rank_is_printed_in_full_once(tmp_path: Path) -> None:
-    proc = _train(tmp_path, "optimizer.lr=-1")  # AdamW raises in configure_optimizers on both ranks
+def test_an_error_on_every_rank_is_printed_in_full_once(runs: SideBySide) -> None:
+    proc = runs.get("bad_lr")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     lines = out.splitlines()

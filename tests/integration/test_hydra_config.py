@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -26,6 +26,7 @@ import train  # noqa: E402  (registers the schemas in Hydra's ConfigStore)
 from lightning_zero.config import ZeroConfig  # noqa: E402
 from lightning_zero.config.hydra import trainer_kwargs  # noqa: E402
 from tests.helpers.launch import user_env  # noqa: E402
+from tests.helpers.side_by_side import SideBySide  # noqa: E402
 
 GROUPS = ("strategy", "precision", "optimizer", "model", "data", "trainer", "logger")
 
@@ -188,6 +189,35 @@ def _run_train(tmp_path: Path, *overrides: str, env: Optional[dict[str, str]] = 
     return proc
 
 
+CLI_JOBS = {
+    "two_process": (["strategy=zero2_offload", "model=gpt_tiny", "trainer=debug", "data.batch_size=4"],
+                    {"PYTHONWARNINGS": "default"}),
+    "pipeline": (["strategy=pipeline", "model=gpt_tiny", "trainer=debug", "data.batch_size=4"], {}),
+}
+"""The module's two CLI jobs: overrides and environment on top of :func:`tests.helpers.launch.user_env`."""
+
+
+@pytest.fixture(scope="module")
+def cli_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], tuple[str, Path]]]:
+    """Both jobs started at once (tests/helpers/side_by_side.py [Note: side by side]); ``job(name)`` waits for
+    one, asserts it succeeded and returns its output and run directory."""
+    dirs = {name: tmp_path_factory.mktemp(f"cli_{name}") for name in CLI_JOBS}
+    runs = {name: SideBySide({name: [sys.executable, str(ROOT / "examples" / "train.py"), *overrides,
+                                     f"hydra.run.dir={dirs[name]}"]}, cwd=ROOT, env=user_env(**env), timeout=180)
+            for name, (overrides, env) in CLI_JOBS.items()}
+
+    def job(name: str) -> tuple[str, Path]:
+        proc = runs[name].get(name)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc.stdout + proc.stderr, dirs[name]
+
+    try:
+        yield job
+    finally:
+        for started in runs.values():
+            started.close()
+
+
 def _assert_clean_output(out: str) -> None:
     """Issue #14's papercuts in a job's console output: no LR scheduler order warning (torch sees the
     offloaded optimizer step) and no deprecation warning raised by lightning_zero or torch.distributed
@@ -198,7 +228,7 @@ def _assert_clean_output(out: str) -> None:
             assert "lightning_zero" not in line and "torch/distributed" not in line, line
 
 
-def test_cli_two_process_job(tmp_path: Path) -> None:
+def test_cli_two_process_job(cli_jobs: Callable[[str], tuple[str, Path]]) -> None:
     """The real entry point: Lightning re-launches it for rank 1 with Hydra's run dir pinned. Also
     issue #14's papercuts: the run's log files say what it did (none is empty), the model summary
     names the plain GPT and measures its FLOPs, no scheduler-order or deprecation warnings.
@@ -210,11 +240,7 @@ def test_cli_two_process_job(tmp_path: Path) -> None:
     ``zero2_offload`` adds the host step to; its collectives' deprecation check on 2 processes is
     tests/distributed/test_collectives.py, the scheduler order of every stage with and without offload is
     tests/offload/test_scheduler_order.py (in process)."""
-    proc = _run_train(
-        tmp_path, "strategy=zero2_offload", "model=gpt_tiny", "trainer=debug", "data.batch_size=4",
-        env={"PYTHONWARNINGS": "default"},
-    )
-    out = proc.stdout + proc.stderr
+    out, tmp_path = cli_jobs("two_process")
     assert "Starting with 2 processes" in out
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints" / "last.ckpt").exists()
@@ -234,7 +260,7 @@ def test_cli_two_process_job(tmp_path: Path) -> None:
     assert "GLOBAL_RANK: 1" in logs["train_ddp_process_1.log"] and "GLOBAL_RANK: 1" not in main
 
 
-def test_cli_pipeline_job(tmp_path: Path) -> None:
+def test_cli_pipeline_job(cli_jobs: Callable[[str], tuple[str, Path]]) -> None:
     """The same GPTModule as 2 pipeline stages on 2 CPU processes (1F1B over 4 micro-batches of 1):
     trains, logs the bubble next to its formula, and saves a checkpoint that loads, un-pipelined, into
     either form of the model."""
@@ -244,8 +270,7 @@ def test_cli_pipeline_job(tmp_path: Path) -> None:
 
     from lightning_zero.pipeline import PipelineModule
 
-    proc = _run_train(tmp_path, "strategy=pipeline", "model=gpt_tiny", "trainer=debug", "data.batch_size=4")
-    out = proc.stdout + proc.stderr
+    out, tmp_path = cli_jobs("pipeline")
     assert "Starting with 2 processes" in out and "fit finished" in out
     assert re.search(r"\bmodel\b\W+PipelineModule\b", out)  # pipelining is on: the pipeline form
     assert "GLOBAL_RANK: 1" in (tmp_path / "train_ddp_process_1.log").read_text()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,43 +13,59 @@ from benchmarks.sequence import next_length, tokens
 from benchmarks.sequence_plan import GIB, ceiling, host_ckpt_bytes_per_layer, offload_state_bytes, pinned_block, plan
 from benchmarks.presets import llama_preset
 from tests.helpers.launch import ROOT, user_env
+from tests.helpers.side_by_side import SideBySide
 
 VOCAB = 1024  # llama_tiny
 
 
-def _bench(tmp_path: Path, *args: str) -> tuple[list[dict], str]:
-    proc = subprocess.run([sys.executable, "benchmarks/sequence.py", *args, "--out-dir", str(tmp_path)], cwd=ROOT,
-                          env=user_env(), capture_output=True, text=True, timeout=900)
+def _command(tmp_path: Path, *args: str) -> list[str]:
+    return [sys.executable, "benchmarks/sequence.py", *args, "--out-dir", str(tmp_path)]
+
+
+def _bench(tmp_path: Path, runs: SideBySide, name: str) -> tuple[list[dict], str]:
+    """The rows and table of run ``name`` once it has ended."""
+    proc = runs.get(name)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines() if line.strip()]
     return rows, (tmp_path / "table.md").read_text()
 
 
 def test_cpu_smoke_longest_and_sp(tmp_path: Path) -> None:
-    # one GPU's search, one length: of the 2 layers, one keeps its checkpoint on the device, one offloads it
-    rows, table = _bench(tmp_path / "longest", "longest", "--device", "cpu", "--model", "tiny", "--seq-lens", "512",
-                         "--gpu-ckpt-layers", "1")
-    (rank,) = [r for r in rows if r["kind"] == "rank"]
-    # read back from the modules; the host holds exactly what the plan counts: one layer's 2 x hidden bytes per token
-    assert rank["applied"] == {"checkpointed": 2, "offloaded": 1, "tiled_mlp": 2,
-                               "host_ckpt_peak_bytes": host_ckpt_bytes_per_layer(llama_preset("tiny")[1], 512, False)}
-    assert rank["applied"]["host_ckpt_peak_bytes"] == 2 * 256 * 512
-    assert rank["tiles"] == 2 and rank["seq_len"] == 512 and rank["tokens_per_s"] > 0
-    assert abs(rank["loss"] - math.log(VOCAB)) < 0.5  # the token mean of the chunked loss, random weights
-    assert "| 512 | ok (step 1) |" in table and "Longest sequence that trained: 512 tokens" in table
-    assert "Command: `python3 benchmarks/sequence.py longest" in table and "Device: CPU" in table
+    # both runs at once (tests/helpers/side_by_side.py [Note: side by side])
+    runs = SideBySide({
+        "longest": _command(tmp_path / "longest", "longest", "--device", "cpu", "--model", "tiny", "--seq-lens", "512",
+                            "--gpu-ckpt-layers", "1"),
+        "sp": _command(tmp_path / "sp", "sp", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--configs", "ours",
+                       "--seq-lens", "1024", "--steps", "2", "--profile"),
+    }, cwd=ROOT, env=user_env(), timeout=900)
+    try:
+        # one GPU's search, one length: of the 2 layers, one keeps its checkpoint on the device, one offloads it
+        rows, table = _bench(tmp_path / "longest", runs, "longest")
+        (rank,) = [r for r in rows if r["kind"] == "rank"]
+        # read back from the modules; the host holds exactly what the plan counts: one layer's 2 x hidden bytes
+        # per token
+        host_bytes = host_ckpt_bytes_per_layer(llama_preset("tiny")[1], 512, False)
+        assert rank["applied"] == {"checkpointed": 2, "offloaded": 1, "tiled_mlp": 2,
+                                   "host_ckpt_peak_bytes": host_bytes}
+        assert rank["applied"]["host_ckpt_peak_bytes"] == 2 * 256 * 512
+        assert rank["tiles"] == 2 and rank["seq_len"] == 512 and rank["tokens_per_s"] > 0
+        assert abs(rank["loss"] - math.log(VOCAB)) < 0.5  # the token mean of the chunked loss, random weights
+        assert "| 512 | ok (step 1) |" in table and "Longest sequence that trained: 512 tokens" in table
+        assert "Command: `python3 benchmarks/sequence.py longest" in table and "Device: CPU" in table
 
-    # sequence parallel 2 through the strategy (tiled_mlp, sequence_parallel), profiled: our row only
-    rows, table = _bench(tmp_path / "sp", "sp", "--device", "cpu", "--model", "tiny", "--gpus", "2", "--configs", "ours",
-                         "--seq-lens", "1024", "--steps", "2", "--profile")
-    ranks = [r for r in rows if r["kind"] == "rank"]
-    assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
-    assert all(r["applied"] == {"checkpointed": 2, "offloaded": 0, "tiled_mlp": 2, "host_ckpt_peak_bytes": 0}
-               for r in ranks)
-    assert all(len(r["step_times_s"]) == 2 for r in ranks)  # the profiled third step is not timed
-    assert abs(sum(r["loss"] for r in ranks) / 2 - math.log(VOCAB)) < 0.5  # ranks' shares average to the global mean
-    assert all("CPU run" in r["comm"]["note"] for r in ranks)
-    assert "| 1K | ours |" in table and "not run" not in table
+        # sequence parallel 2 through the strategy (tiled_mlp, sequence_parallel), profiled: our row only
+        rows, table = _bench(tmp_path / "sp", runs, "sp")
+        ranks = [r for r in rows if r["kind"] == "rank"]
+        assert sorted(r["rank"] for r in ranks) == [0, 1] and all(r["world_size"] == 2 for r in ranks)
+        assert all(r["applied"] == {"checkpointed": 2, "offloaded": 0, "tiled_mlp": 2, "host_ckpt_peak_bytes": 0}
+                   for r in ranks)
+        assert all(len(r["step_times_s"]) == 2 for r in ranks)  # the profiled third step is not timed
+        # the ranks' shares average to the global mean
+        assert abs(sum(r["loss"] for r in ranks) / 2 - math.log(VOCAB)) < 0.5
+        assert all("CPU run" in r["comm"]["note"] for r in ranks)
+        assert "| 1K | ours |" in table and "not run" not in table
+    finally:  # an assertion on the first run leaves no second one running
+        runs.close()
 
 
 def test_search_grows_then_bisects_within_the_bound() -> None:
