@@ -93,19 +93,24 @@ def _merge_rows(out: Tensor, lse: Tensor, o_b: Tensor, lse_b: Tensor, rows: int)
     return out, lse
 
 
-def _positions(layout: SequenceLayout, owner: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The host and device copies of the positions of ``owner``'s tokens."""
-    pos = layout.positions(owner)
-    return pos, pos.to(device, non_blocking=True)
+def _positions(layout: SequenceLayout, owner: int) -> Tensor:
+    """The global positions of ``owner``'s tokens, on the host: flash.plan and _skip read them there; only a
+    plain-path block copies them to the device (:func:`_visible`), so the fused path makes no copy per block."""
+    return layout.positions(owner)
+
+
+def _visible(me: "_Queries", k_host: Tensor, k_doc: Optional[Tensor]) -> Tensor:
+    """blockwise.visible of a plain-path block, the positions copied to the queries' device."""
+    dev = me.q.device
+    return B.visible(me.host.to(dev, non_blocking=True), k_host.to(dev, non_blocking=True), me.doc, k_doc, me.causal)
 
 
 @dataclass(frozen=True)
 class _Queries:
-    """This rank's side of every block pair: its queries, their positions (host, device), document ids."""
+    """This rank's side of every block pair: its queries, their positions (host), document ids."""
 
     q: Tensor
     host: Tensor
-    pos: Tensor
     doc: Optional[Tensor]
     causal: bool
     scale: float
@@ -123,35 +128,35 @@ class _Upstream:
     rng: Any
 
 
-def _fold_block(me: _Queries, k: Tensor, v: Tensor, k_at: tuple[Tensor, Tensor], k_doc: Optional[Tensor],
+def _fold_block(me: _Queries, k: Tensor, v: Tensor, k_at: Tensor, k_doc: Optional[Tensor],
                 out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor, Any]:
-    """Fold one key/value block (positions ``k_at``: host, device) into the running fp32 ``(out, lse)``:
+    """Fold one key/value block (positions ``k_at``, host) into the running fp32 ``(out, lse)``:
     the fused kernel where flash.plan allows it ([Note: fused blocks]), plain torch otherwise, nothing when
     no query sees a key. Returns the new ``(out, lse)`` and the kernel's rng tensors (or None)."""
-    if _skip(me.host, k_at[0], me.causal):
+    if _skip(me.host, k_at, me.causal):
         return out, lse, None
-    fused = FL.plan(me.host, k_at[0], me.causal, me.doc is not None, me.q)
+    fused = FL.plan(me.host, k_at, me.causal, me.doc is not None, me.q)
     if fused is not None:
         o_b, lse_b, rng = FL.forward(me.q, k, v, fused, me.scale)
         return (*_merge_rows(out, lse, o_b, lse_b, fused.rows), rng)
-    o_b, lse_b = B.block_forward(me.q, k, v, B.visible(me.pos, k_at[1], me.doc, k_doc, me.causal), me.scale)
+    o_b, lse_b = B.block_forward(me.q, k, v, _visible(me, k_at, k_doc), me.scale)
     return (*B.merge(out, lse, o_b, lse_b), None)
 
 
-def _add_block_grads(me: _Queries, k: Tensor, v: Tensor, k_at: tuple[Tensor, Tensor], k_doc: Optional[Tensor],
+def _add_block_grads(me: _Queries, k: Tensor, v: Tensor, k_at: Tensor, k_doc: Optional[Tensor],
                      up: _Upstream, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
     """Add one block's share of the gradients, in place: to ``dq`` (this rank's queries) and to the block's
     travelling accumulators ``dk, dv``; the same path choice as :func:`_fold_block`."""
-    if _skip(me.host, k_at[0], me.causal):
+    if _skip(me.host, k_at, me.causal):
         return
-    fused = FL.plan(me.host, k_at[0], me.causal, me.doc is not None, me.q)
+    fused = FL.plan(me.host, k_at, me.causal, me.doc is not None, me.q)
     if fused is not None:  # the merged output and lse: [Note: fused blocks]
         dq_b, dk_b, dv_b = FL.backward(me.q, k, v, fused, me.scale, up.dout, up.out, up.lse, up.rng)
         dq[:, :, fused.rows:] += dq_b
         dk[:, :, :fused.keys] += dk_b
         dv[:, :, :fused.keys] += dv_b
         return
-    mask = B.visible(me.pos, k_at[1], me.doc, k_doc, me.causal)
+    mask = _visible(me, k_at, k_doc)
     dq_b, dk_b, dv_b = B.block_backward(me.q, k, v, mask, me.scale, up.dout, up.lse, up.delta)
     dq += dq_b
     dk += dk_b
@@ -165,7 +170,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: SequenceLayout, doc: Optional[Tensor],
                 causal: bool, scale: float, group: Optional[C.ProcessGroup]) -> Tensor:
         n, r = C.world_size(group), C.rank(group)
-        me = _Queries(q, *_positions(layout, r, q.device), doc, causal, scale)
+        me = _Queries(q, _positions(layout, r), doc, causal, scale)
         block = [k, v] + ([doc] if doc is not None else [])
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
@@ -174,7 +179,7 @@ class _RingAttention(torch.autograd.Function):
             works: list[Any] = []
             if t < n - 1:
                 nxt, works = _rotate(block, group)
-            at = _positions(layout, (r - t) % n, q.device)  # no name outlives the block: two live, never three
+            at = _positions(layout, (r - t) % n)  # no name outlives the block: two live, never three
             out, lse, got = _fold_block(me, block[0], block[1], at, block[2] if doc is not None else None, out, lse)
             rng = got if got is not None else rng
             if t < n - 1:
@@ -191,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
         doc = rest[0] if ctx.has_doc else None
         group = ctx.group
         n, r = C.world_size(group), C.rank(group)
-        me = _Queries(q, *_positions(ctx.layout, r, q.device), doc, ctx.causal, ctx.scale)
+        me = _Queries(q, _positions(ctx.layout, r), doc, ctx.causal, ctx.scale)
         dout = dout.contiguous()  # the kernels read strides; autograd may hand an expanded gradient
         # out in q's dtype is what the fused backward takes (no copy in fp32)
         up = _Upstream(dout, out.to(q.dtype), lse, (dout.float() * out).sum(-1), ctx.rng)
@@ -200,7 +205,7 @@ class _RingAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         for t in range(n):
-            at = _positions(ctx.layout, (r - t) % n, q.device)
+            at = _positions(ctx.layout, (r - t) % n)
             _add_block_grads(me, block[0], block[1], at, block[2] if doc is not None else None, up, dq, dk, dv)
             if n > 1:  # the block moves on with its accumulators; on the last pass only they travel (home)
                 *block, dk, dv = _exchange((block if t < n - 1 else []) + [dk, dv], group)

@@ -64,14 +64,14 @@ def _ring_in_process(q, k, v, layout: SequenceLayout, doc, causal: bool, dout):
     n, scale = layout.size, q.shape[-1] ** -0.5
     shard = [[layout.shard(t, r, dim=2) for r in range(n)] for t in (q, k, v, dout)]
     docs = [layout.shard(doc, r, dim=1) if doc is not None else None for r in range(n)]
-    me = [R._Queries(shard[0][r], *R._positions(layout, r, q.device), docs[r], causal, scale) for r in range(n)]
+    me = [R._Queries(shard[0][r], R._positions(layout, r), docs[r], causal, scale) for r in range(n)]
     outs, ups = [], []
     for r in range(n):
         out = torch.zeros(me[r].q.shape)
         lse = torch.full(me[r].q.shape[:-1], float("-inf"))
         for t in range(n):
             s = (r - t) % n
-            out, lse, _ = R._fold_block(me[r], shard[1][s], shard[2][s], R._positions(layout, s, q.device),
+            out, lse, _ = R._fold_block(me[r], shard[1][s], shard[2][s], R._positions(layout, s),
                                         docs[s], out, lse)
         outs.append(out)
         d = shard[3][r]
@@ -81,7 +81,7 @@ def _ring_in_process(q, k, v, layout: SequenceLayout, doc, causal: bool, dout):
     for r in range(n):
         for t in range(n):
             s = (r - t) % n
-            R._add_block_grads(me[r], shard[1][s], shard[2][s], R._positions(layout, s, q.device), docs[s], ups[r],
+            R._add_block_grads(me[r], shard[1][s], shard[2][s], R._positions(layout, s), docs[s], ups[r],
                                dq[r], dk[s], dv[s])
     return [layout.unshard(parts, dim=2) for parts in (outs, dq, dk, dv)]
 
