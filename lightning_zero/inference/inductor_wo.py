@@ -9,9 +9,10 @@ features), inductor emits one kernel that reads each code once, converts it in r
 in fp32: the GEMV reads ~0.52x (int8) or ~0.27x (int4) of bf16's bytes. This is gpt-fast's recipe (its
 int8 layer is ``F.linear(x, w.to(dtype)) * scales``, which inductor decomposes the same way at one row
 under ``coordinate_descent_tuning``; ``DecodeConfig.coordinate_descent`` turns that tuning on for the
-compiled step). Measured on an H200 (2026-11-28), inductor's kernel for it decodes int8 Llama-8B at
-124.6 tokens/s against 169.5 for triton_wo.py's kernel and 206.7 for bf16: far from the bytes' bound, so
-the seam tries the Triton kernel first and this path serves where that kernel declines. It applies only
+compiled step). Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28 10:37), inductor's kernel for it
+decodes int8 Llama-8B at 124.6 tokens/s against bf16's 206.7 in the same run: far from the bytes' bound.
+triton_wo.py's kernel gave 169.5 in another call that day (against bf16's 181.3 there), so the seam tries
+it first and this path serves where it declines. It applies only
 while dynamo traces (eagerly the same expression would materialise an fp32
 ``[N, K]`` product) and only to one row: at 2-16 rows triton_wo.py's kernel reads the codes once for all
 rows, where a reduction per output element would read them once per row.

@@ -18,9 +18,10 @@ correct everywhere, no faster than the unquantized layer. Fused kernels plug in 
 matmul's rounding. Two are built in, tried in this order: triton_wo.py's Triton kernel (codes dequantized
 in the GEMM's inner loop, CUDA, at most 16 rows), which declines without Triton or off CUDA, then
 inductor_wo.py's fused reduction (one row, only while torch.compile traces: the compiled batch-1 decode step
-on a device without the Triton kernel). Measured on an H200 (benchmarks/RESULTS.md, 2026-11-28 10:37), the
-Triton kernel decoded int8 Llama-8B faster (169.5 against 124.6 tokens/s), hence the order; neither yet
-reaches the bf16 step's speed.
+on a device without the Triton kernel). The order rests on two calls on one H200, not one run
+(benchmarks/RESULTS.md, 2026-11-28): int8 Llama-8B decoded at 169.5 tokens/s through the Triton kernel
+(10:05, compiled without coordinate descent) and 124.6 through the reduction (10:37, with it); the
+side-by-side run is benchmarks/run_pending.sh D. Neither reaches the bf16 step's speed.
 """
 
 from __future__ import annotations
