@@ -32,8 +32,8 @@ calls, so its tensors keep their addresses; ``generate`` compiles the forward it
 (``reduce-overhead``, CUDA graphs). A fresh cache per call, what ``cache_implementation="static"`` does,
 re-records the graphs at every call: the 9.9 tokens/s of 2026-11-28 03:29 and 10:05 was that, not HF's speed),
 ``ours_int8`` / ``ours_int4`` (``quantize_linears`` at group 128, the head kept, decoded with
-``compile=True``, one row per kernel of ``--quant-kernel``: ``triton`` (triton_wo.py, the seam's default),
-``gemv`` (triton_gemv.py, not yet the default), ``reduction`` (inductor_wo.py); ``--eager-quant`` decodes
+``compile=True``, one row per kernel of ``--quant-kernel``: ``gemv`` (triton_gemv.py, the seam's first),
+``triton`` (triton_wo.py), ``reduction`` (inductor_wo.py); ``--eager-quant`` decodes
 uncompiled).
 Decode tokens/s = ``(n - 1) / (t(n) - t(1))``: the prompt's forward cancels out. Targets: ours_compiled >=
 0.7x roofline and >= 1.5x hf_static_compiled; int8 >= 1.6x and int4 >= 2.5x ours (the ``x ours`` column is
@@ -65,9 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-compile", action="store_true", help="also HF generate with a static cache, compiled")
     p.add_argument("--no-quant", action="store_true", help="skip the int8/int4 rows")
     p.add_argument("--eager-quant", action="store_true", help="decode the int8/int4 rows without compile")
-    p.add_argument("--quant-kernel", default="triton,gemv",
-                   help="comma-separated kernels for the int8/int4 rows, each first at the seam in turn: triton "
-                        "(triton_wo.py, the default), gemv (triton_gemv.py), reduction (inductor_wo.py)")
+    p.add_argument("--quant-kernel", default="gemv",
+                   help="comma-separated kernels for the int8/int4 rows, each first at the seam in turn: gemv "
+                        "(triton_gemv.py, the default), triton (triton_wo.py), reduction (inductor_wo.py)")
+    p.add_argument("--quant-skip", default="lm_head",
+                   help="comma-separated fnmatch patterns of Linears kept in bf16 for the int8/int4 rows ('' "
+                        "quantizes the head too, as gpt-fast's int8/int4 recipes do)")
     p.add_argument("--no-cdt", action="store_true", help="skip ours_compiled_no_cdt")
     p.add_argument("--no-compile", action="store_true", help="skip ours_compiled (and compile nothing of ours)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of ours (eager: a cheap CPU smoke)")
@@ -140,6 +143,14 @@ def decode_rate(run: Callable[[int], object], n: int, repeats: int, device: torc
     return (n - 1) / span if span > 0 else float("nan")  # nan: too few tokens to time (noise won)
 
 
+class _Rows(list):
+    """The rows, each printed as it is measured (a run cut short by a time limit still reports what it did)."""
+
+    def append(self, row: tuple[str, float]) -> None:
+        super().append(row)
+        print(f"row {row[0]}: {row[1]:.1f} tokens/s", flush=True)
+
+
 def guarded_rate(name: str, run: Callable[[int], object], n: int, repeats: int, device: torch.device) -> float:
     """``decode_rate``, or nan with the error printed: one failing row (a compile on an untested stack) leaves
     the others' figures standing."""
@@ -208,7 +219,9 @@ def offload_main(args: argparse.Namespace, device: torch.device) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"## ZeRO-Inference decode from host memory, batch {args.batch}, {args.model} ({weight_bytes / 2**30:.2f} "
           f"GiB of {args.dtype} weights), {name}, {datetime.date.today()}\n")
-    rows = [("pcie_roofline", roofline), ("zero3_offload", rate)]
+    rows = _Rows()  # each printed now: a peer cut short by a time limit leaves ours standing
+    rows.append(("pcie_roofline", roofline))
+    rows.append(("zero3_offload", rate))
     if args.peer_accelerate:
         del module, trainer  # host memory for the peer's copy
         rows.append(("accelerate_device_map_auto", accelerate_offload_rate(args, device, data)))
@@ -273,7 +286,7 @@ def tp_main(args: argparse.Namespace) -> None:
     decode = DecodeConfig(backend=args.backend)
     runs = {"eager": lambda k: generate(model, prompt, k), "compiled": lambda k: generate(model, prompt, k,
                                                                                            compile=decode)}
-    rows: list[tuple[str, float]] = []
+    rows: list[tuple[str, float]] = _Rows() if rank == 0 else []  # rank 0 prints each row as it is measured
     for degree in (1, args.tp):
         if degree > 1:
             model.__dict__.pop("_lz_compiled_decoder", None)  # its cache has every head: tp 2's has half
@@ -293,14 +306,6 @@ def tp_main(args: argparse.Namespace) -> None:
             tp1 = base[f"tp1_{name.split('_', 1)[1]}"]
             print(f"| {name} | {rate:.1f} | {1e3 / rate:.2f} | {tp1 / rate:.2f} |")
     dist.destroy_process_group()
-
-
-class _Rows(list):
-    """The rows, each printed as it is measured (a run cut short by a time limit still reports what it did)."""
-
-    def append(self, row: tuple[str, float]) -> None:
-        super().append(row)
-        print(f"row {row[0]}: {row[1]:.1f} tokens/s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -365,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 model = build(args, device, dtype)
-                quantize_linears(model, bits=bits, group_size=128, skip=["lm_head"])
+                quantize_linears(model, bits=bits, group_size=128, skip=[p for p in args.quant_skip.split(",") if p])
                 run = ours(model) if args.eager_quant or args.no_compile else compiled(model)
                 name = f"ours_int{bits}" + (f"_{kernel}" if len(kernels) > 1 else "")
                 rows.append((name, guarded_rate(name, run, args.new_tokens, args.repeats, device)))

@@ -15,13 +15,14 @@ weight (group 128: codes plus one fp32 scale per group; ~0.52x and ~0.27x of bf1
 device where no kernel applies) dequantizes the whole weight to the input's dtype and calls ``F.linear``:
 correct everywhere, no faster than the unquantized layer. Fused kernels plug in through
 :func:`register_kernel` and must match this path (the dequantize-then-matmul reference) to within the
-matmul's rounding. Two are built in, tried in this order: triton_wo.py's Triton kernel (codes dequantized
-in the GEMM's inner loop, CUDA, at most 16 rows), which declines without Triton or off CUDA, then
-inductor_wo.py's fused reduction (one row, only while torch.compile traces: the compiled batch-1 decode step
-on a device without the Triton kernel). The order rests on two calls on one H200, not one run
-(benchmarks/RESULTS.md, 2026-11-28): int8 Llama-8B decoded at 169.5 tokens/s through the Triton kernel
-(10:05, compiled without coordinate descent) and 124.6 through the reduction (10:37, with it); the
-side-by-side run is benchmarks/run_pending.sh D. Neither reaches the bf16 step's speed.
+matmul's rounding. Three are built in, tried in this order: triton_gemv.py's GEMV (one row, CUDA: the
+batch-1 decode step), triton_wo.py's Triton kernel (codes dequantized in the GEMM's inner loop, CUDA, at
+most 16 rows), both declining without Triton or off CUDA, then inductor_wo.py's fused reduction (one row,
+only while torch.compile traces: the compiled batch-1 decode step on a device without Triton). The order is
+measured per Linear on an H200 (benchmarks/wo_kernels.py; benchmarks/RESULTS.md, 2026-11-28 13:14-13:50 UTC):
+at one row the GEMV beat triton_wo.py's kernel at every Llama-8B shape (int8 1.26-1.54x bf16's speed per
+Linear against 0.69-1.29x) and the reduction at all but the smallest (1024 x 4096), where they are within
+~1 us. Neither reaches the 2x that int8's bytes allow (see triton_gemv.py [Note: no integer conversions]).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.inference.inductor_wo import inductor_weight_only
+from lightning_zero.inference.triton_gemv import triton_gemv
 from lightning_zero.inference.triton_wo import triton_weight_only
 from lightning_zero.quant.blocks import Q_MAX, QuantizedBlocks, dequantize, quantize
 
 Kernel = Callable[[Tensor, "QuantLinear"], Optional[Tensor]]
 """``(x, layer) -> y``, or None when it does not apply (device, dtype, shape): the next one is tried."""
 
-_KERNELS: list[Kernel] = [triton_weight_only, inductor_weight_only]
+_KERNELS: list[Kernel] = [triton_gemv, triton_weight_only, inductor_weight_only]
 
 
 def register_kernel(kernel: Kernel) -> Callable[[], None]:

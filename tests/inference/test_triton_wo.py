@@ -61,7 +61,9 @@ def compare(device: str, dtypes: tuple[torch.dtype, ...], kernel: str = "triton_
 
 
 def test_seam_uses_the_reference_without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert quant._KERNELS[0] is triton_weight_only  # built in, first
+    from lightning_zero.inference.triton_gemv import triton_gemv
+
+    assert quant._KERNELS[:2] == [triton_gemv, triton_weight_only]  # built in, first: one row, then up to 16
     q = QuantLinear.from_linear(nn.Linear(256, 24), bits=4, group_size=128)
     x = torch.randn(2, 256)
     reference = F.linear(x, q.dequantized_weight(), q.bias)
@@ -69,6 +71,7 @@ def test_seam_uses_the_reference_without_the_kernel(monkeypatch: pytest.MonkeyPa
         assert triton_weight_only(x, q) is None  # off CUDA (without the interpreter): declined
     monkeypatch.setattr(triton_wo, "triton_available", lambda: False)  # the CPU wheel: no Triton
     assert triton_weight_only(x, q) is None
+    assert triton_gemv(x[:1], q) is None
     assert torch.equal(q(x), reference)
 
 
@@ -118,18 +121,12 @@ def test_kernel_on_cuda(kernel: str) -> None:
     if kernel == "triton_gemv":  # traced by torch.compile without a graph break, as the decode step needs
         from torch._dynamo.utils import counters
 
-        from lightning_zero.inference.triton_gemv import register_gemv
-
-        undo = register_gemv()
-        try:
-            q = QuantLinear.from_linear(nn.Linear(256, 64, device="cuda", dtype=torch.bfloat16), 4, 128)
-            x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
-            counters.clear()
-            with torch.no_grad():
-                torch.testing.assert_close(torch.compile(q, fullgraph=True)(x), q(x))
-            assert not counters["graph_break"]
-        finally:
-            undo()
+        q = QuantLinear.from_linear(nn.Linear(256, 64, device="cuda", dtype=torch.bfloat16), 4, 128)
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16)
+        counters.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(torch.compile(q, fullgraph=True)(x), q(x))
+        assert not counters["graph_break"]
 
 
 @pytest.mark.gpu
