@@ -5,7 +5,7 @@
 #
 #   A  (4 GPUs) #32: where zero3 loses 4% to compiled fsdp on the 8B shape (eager pair, profiled: exposed comm);
 #      8B weak scaling at 2 GPUs (4 GPUs: the eager zero3 row of the same call).
-#   B  (4 GPUs) #30: the ring tests over NCCL (fused flash blocks' CUDA branch, never run yet); SP against DeepSpeed
+#   B  (4 GPUs) #30: the ring tests over NCCL at 4 ranks (2 ranks passed 2026-11-28 13:35); SP against DeepSpeed
 #      ALST again after the host-sync fixes (32K, 128K); #32: MoE EP 4 sorted and
 #      capacity dispatch against dense; pipeline sweep (1F1B and interleaved, pp 2 and 4, M = 4, 8, 16).
 #   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape, ours against fsdp's DCP and DeepSpeed's;
@@ -49,7 +49,7 @@ case "$CALL" in
   B)
     python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1
     # ring attention's fused flash blocks (lightning_zero/sequence/flash.py) have a CUDA branch CI cannot run
-    LZ_TEST_ACCELERATOR=gpu timeout 150 python3 -m pytest -q tests/sequence/test_sp_attention.py -k ring \
+    LZ_TEST_ACCELERATOR=gpu timeout 150 python3 -m pytest -q tests/sequence/test_sp_attention.py -k "ring and four" \
       -p no:cacheprovider > "$OUT/ring_nccl.log" 2>&1; mark ring_nccl $?
     python3 benchmarks/sequence.py sp --gpus 4 --seq-lens 32K,128K --profile --config-timeout-s 200 --budget-s 330 \
       --out-dir "$OUT/sp" > "$OUT/sp.log" 2>&1; mark sp $?

@@ -112,8 +112,9 @@ if triton is not None:
 def triton_gemv(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     """A kernel for quant.py's seam: ``layer(x)`` for one row through :func:`weight_only_gemv`, else None (the
     same refusals as triton_wo.py's entry: no Triton, off CUDA unless interpreted, another dtype or group size,
-    autograd needing a backward; and anything but one row)."""
-    if not takes(x, layer) or x.numel() != layer.in_features:
+    autograd needing a backward; and anything but one row, or codes not starting on a 4-byte boundary, which the
+    kernel reads as 32-bit words: a view into a larger buffer, say)."""
+    if not takes(x, layer) or x.numel() != layer.in_features or layer.codes.storage_offset() % 4:
         return None
     return call_op(torch.ops.lightning_zero.weight_only_gemv, x, layer, 1)
 

@@ -87,6 +87,20 @@ def test_kernel_declines_what_it_does_not_take(case: str, monkeypatch: pytest.Mo
     assert triton_weight_only(x, q) is None
 
 
+@torch.no_grad()
+def test_gemv_declines_codes_off_a_word_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV reads codes as 32-bit words: codes that are a view starting off a 4-byte boundary go elsewhere."""
+    from lightning_zero.inference.triton_gemv import triton_gemv
+
+    monkeypatch.setattr(triton_wo, "triton_available", lambda: True)  # as if Triton and CUDA were there
+    monkeypatch.setattr(triton_wo, "_INTERPRET", True)
+    q = QuantLinear.from_linear(nn.Linear(64, 8), bits=8, group_size=32)
+    one = torch.randn(1, 64)
+    q.codes = torch.cat([torch.zeros(1, dtype=q.codes.dtype), q.codes])[1:]
+    assert triton_wo.takes(one, q)  # everything else about the call is one the kernel takes
+    assert q.codes.storage_offset() == 1 and triton_gemv(one, q) is None
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 @pytest.mark.parametrize("kernel", ["triton_weight_only", "triton_gemv"])
 def test_kernel_in_the_interpreter(kernel: str) -> None:
