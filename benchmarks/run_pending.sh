@@ -12,7 +12,8 @@
 #      #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write, and the 2,000-step loss of qwZ+qgZ+hpZ.
 #   D  (1 GPU) #31: decode rows (bf16 against the roofline and HF's static cache; int8 and int4 through the GEMV,
 #      the head quantized too, gpt-fast's recipe).
-#   D2 (1 GPU; H100 if lent) #31: the weight-only kernels per Linear shape (benchmarks/wo_kernels.py);
+#   D2 (1 GPU; H100 if lent) #31: the weight-only kernels per Linear shape (benchmarks/wo_kernels.py), GEMV v3
+#      (no barriers in its loop: triton_gemv.py) against v2's 13:22 figures, and its GPU-marked tests;
 #      #33: the largest model without offload, fp32 against 16-bit states, when the GPU is an H100 (H200: done).
 #   E  (2 GPUs) #31: tp 2 batch-1 latency (eager and compiled; ran past 200 s on 2026-11-28 13:35).
 #   G  (2 GPUs' host: 256 GiB) #31: 70B-shape ZeRO-Inference from host memory against Accelerate (40 of 80 layers).
@@ -75,6 +76,8 @@ case "$CALL" in
       --quant-skip '' > "$OUT/inference.log" 2>&1; mark inference $?
     ;;
   D2)
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout 120 python3 -m pytest -q -m gpu tests/inference/test_triton_wo.py \
+      -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
     timeout 200 python3 benchmarks/wo_kernels.py --kernels bf16,gemv,triton,reduction > "$OUT/wo_kernels.log" 2>&1
     mark wo_kernels $?
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100; then
