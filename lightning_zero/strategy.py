@@ -49,6 +49,7 @@ from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.sequence import apply as sequence_apply
 from lightning_zero.sequence.context import SequenceContext
+from lightning_zero.trainer_checks import check_callbacks
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
@@ -231,6 +232,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._pipeline is not None:  # this stage's layers only, tied copies made equal
             self._pipeline.prepare(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # before any step ([Note: callbacks that edit parameters or param groups mid-training])
+            check_callbacks(trainer.callbacks)
 
         def optimizers() -> list[Optimizer]:
             self.setup_optimizers(trainer)  # Lightning's configure_optimizers, on the placed module
@@ -385,11 +388,11 @@ class ZeroStrategy(ParallelStrategy):
         result = closure()
         precision = self.precision_plugin
         precision._after_closure(model, optimizer)
-        clip = precision.pop_clip_value()
+        clip, clip_value = precision.pop_clip()
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
             return None
-        self._zero.step(engine, clip, self._step_index())
+        self._zero.step(engine, clip, self._step_index(), clip_value=clip_value)
         return result
 
     def _step_index(self) -> Optional[int]:
