@@ -11,10 +11,14 @@ Lightning callbacks work behind that partition's back:
   own ``ddp`` is no oracle here either: DDP registers only the parameters that require a gradient when
   it wraps the module, so a backbone unfrozen later is never all-reduced and the replicas part
   (measured, tests/callbacks). Lightning refuses the callback under DeepSpeed for the same reason.
-* ``StochasticWeightAveraging`` reads the module's parameters between epochs (stage 3: released
-  placeholders) and copies the averaged weights into them when training ends, behind the fp32 masters
-  that checkpoints and ``full_state_dict`` read (stages 1-2: the model and its checkpoint would hold
-  different weights; stage 3: a crash). Lightning refuses it under FSDP and DeepSpeed.
+* ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) read the module's
+  parameters between steps or epochs (stage 3: released placeholders) and copy the averaged weights into
+  them when training ends, behind the fp32 masters that checkpoints and ``full_state_dict`` read
+  (measured, tests/callbacks: stages 1-2 trained like ddp but ended with the last weights instead of the
+  average, 0.2 relative apart; stage 3 crashed). Lightning refuses SWA under FSDP and DeepSpeed.
+* ``ModelPruning`` re-registers each pruned ``weight`` as ``weight_orig`` times a mask at an epoch's end
+  (``torch.nn.utils.prune``) and rebinds the parameter's storage when it makes pruning permanent: stages
+  1-2 trained differently from the first pruned epoch on and ended un-pruned (measured); stage 3 crashed.
 
 Freezing a parameter by hand mid-training (``requires_grad_(False)`` in a hook) trains as under ddp
 (it gets no gradient and is not stepped: unused.py); unfreezing one that was frozen at setup is refused
@@ -32,6 +36,15 @@ REFUSED: dict[str, str] = {
         "parameters either). Train in two fits instead: one with the frozen parameters' requires_grad=False, "
         "then a new Trainer whose configure_optimizers lists every parameter."
     ),
+    "WeightAveraging": (
+        "{name} reads the module's parameters after every step and overwrites them when training ends, which the "
+        "ZeRO strategy partitions (the fp32 masters that checkpoints read would keep the last weights): keep a "
+        "torch.optim.swa_utils.AveragedModel yourself, or train with strategy='ddp'."
+    ),
+    "ModelPruning": (
+        "{name} re-registers the pruned parameters (torch.nn.utils.prune) during training, after the ZeRO strategy "
+        "partitioned them: prune before fit (and make it permanent), or train with strategy='ddp'."
+    ),
     "StochasticWeightAveraging": (
         "{name} reads and overwrites the module's parameters outside the training step, which the ZeRO "
         "strategy partitions (as Lightning refuses it under FSDP and DeepSpeed): keep a "
@@ -44,9 +57,10 @@ REFUSED: dict[str, str] = {
 def check_callbacks(callbacks: Iterable[Any]) -> None:
     """Raise a ValueError naming the first callback of ``callbacks`` the ZeRO engines cannot follow
     ([Note: callbacks that edit parameters or param groups mid-training])."""
-    from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+    from lightning.pytorch import callbacks as lightning_callbacks
 
-    classes = {"BaseFinetuning": BaseFinetuning, "StochasticWeightAveraging": StochasticWeightAveraging}
+    # WeightAveraging is new in Lightning 2.6
+    classes = {key: getattr(lightning_callbacks, key) for key in REFUSED if hasattr(lightning_callbacks, key)}
     for cb in callbacks:
         for key, cls in classes.items():
             if isinstance(cb, cls):

@@ -32,7 +32,10 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import (  # noqa: E402
     BackboneFinetuning,
     EarlyStopping,
+    EMAWeightAveraging,
+    GradientAccumulationScheduler,
     ModelCheckpoint,
+    ModelPruning,
     StochasticWeightAveraging,
 )
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
@@ -171,6 +174,41 @@ def case_freeze_midway(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     return model, trainer, {}
 
 
+def case_freeze_then_unfreeze(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    """A layer trainable at setup frozen by hand for epoch 1 only (its Adam state resumes at epoch 2)."""
+    model = Net()
+
+    def hook(m: Net) -> None:
+        m.backbone[2].requires_grad_(m.current_epoch != 1)
+
+    model.epoch_hook = hook
+    trainer = _trainer(spec, find_unused=True)
+    trainer.fit(model)
+    return model, trainer, {}
+
+
+def case_ema(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    model = Net()
+    trainer = _trainer(spec, max_epochs=2, callbacks=[EMAWeightAveraging(decay=0.8)])
+    trainer.fit(model)
+    return model, trainer, {}
+
+
+def case_accumulation_scheduler(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    """``accumulate_grad_batches`` 1 in epoch 0, 3 from epoch 1 (7 batches: a partial window per epoch)."""
+    model = Net()
+    trainer = _trainer(spec, max_epochs=3, callbacks=[GradientAccumulationScheduler({0: 1, 1: 3})])
+    trainer.fit(model)
+    return model, trainer, {"global_step": trainer.global_step}
+
+
+def case_pruning(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    model = Net()
+    trainer = _trainer(spec, max_epochs=3, callbacks=[ModelPruning("l1_unstructured", amount=0.3, verbose=0)])
+    trainer.fit(model)
+    return model, trainer, {}
+
+
 def case_unfreeze_midway(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     """A layer frozen at setup (listed in the optimizer) unfrozen by hand at the start of epoch 1."""
     model = Net()
@@ -261,7 +299,11 @@ def case_ckpt_best(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
 
 CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
     "freeze_midway": case_freeze_midway,
+    "freeze_then_unfreeze": case_freeze_then_unfreeze,
     "unfreeze_midway": case_unfreeze_midway,
+    "ema": case_ema,
+    "accumulation_scheduler": case_accumulation_scheduler,
+    "pruning": case_pruning,
     "backbone_finetuning": case_backbone_finetuning,
     "swa": case_swa,
     "clip_norm_acc3": _clip_case("norm"),
