@@ -2,8 +2,8 @@
 the optimizer or the parameters mid-training, run under Lightning's ``ddp`` and each ZeRO stage in one
 process group.
 
-Params: ``{"cases": [CASE, ...], "specs": [SPEC, ...]}`` (CASE a key of :data:`CASES`, SPEC ``ddp`` or a ZeRO
-preset name). For each case and spec in turn, everything seeded identically first, rank 0 records
+Params: ``{"runs": {CASE: [SPEC, ...], ...}}`` (CASE a key of :data:`CASES`, SPEC ``ddp`` or one of
+:func:`make_strategy`'s ZeRO specs). For each case and spec in turn, everything seeded identically first, rank 0 records
 ``<case>.<spec>`` (``OUT/<case>.<spec>.rank0.pt``) as soon as that run is over, holding:
 
 * ``error``: None, or each rank's traceback;
@@ -246,8 +246,9 @@ def case_swa(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
 def _clip_case(algorithm: str) -> Callable[[str, Path], tuple[Net, pl.Trainer, dict]]:
     def case(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
         model = Net(lr=3e-2)
-        trainer = _trainer(spec, max_epochs=2, accumulate_grad_batches=3, gradient_clip_val=0.02 if algorithm == "norm"
-                           else 0.002, gradient_clip_algorithm=algorithm)
+        clip = {"norm": dict(gradient_clip_val=0.02, gradient_clip_algorithm="norm"),
+                "value": dict(gradient_clip_val=0.002, gradient_clip_algorithm="value")}.get(algorithm, {})
+        trainer = _trainer(spec, max_epochs=2, accumulate_grad_batches=3, **clip)
         trainer.fit(model)
         return model, trainer, {"global_step": trainer.global_step}
 
@@ -308,6 +309,8 @@ CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
     "swa": case_swa,
     "clip_norm_acc3": _clip_case("norm"),
     "clip_value_acc3": _clip_case("value"),
+    "clip_value_partial": _clip_case("value"),  # zero2_partial: refused
+    "noclip_acc3": _clip_case("none"),  # ddp only: clipping must change the run, or its parity proves nothing
     "lr_find": case_lr_find,
     "scale_batch_size": case_scale_batch_size,
     "ckpt_best": case_ckpt_best,
@@ -352,6 +355,6 @@ def run(ctx: ScenarioContext, case: str, spec: str) -> None:
 def train(ctx: ScenarioContext) -> None:
     if not dist.is_initialized():  # one process group for every run (Lightning reuses it)
         dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
-    for case in ctx.params["cases"]:
-        for spec in ctx.params["specs"]:
+    for case, specs in ctx.params["runs"].items():
+        for spec in specs:
             run(ctx, case, spec)
