@@ -19,7 +19,7 @@ calls and in what order; neither holds ZeRO math (zero/, offload/).
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
@@ -44,6 +44,7 @@ from lightning_zero.config import LossScaleConfig, SequenceConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
 from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
@@ -53,6 +54,7 @@ from lightning_zero.trainer_checks import check_callbacks
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.grad_window import partitioned_grads
 from lightning_zero.zero.materialize import params_on_meta
 
 if TYPE_CHECKING:
@@ -387,13 +389,26 @@ class ZeroStrategy(ParallelStrategy):
         engine.step_in_backward = self._step_can_run_in_backward(model)  # offload/eager.py; other engines ignore it
         result = closure()
         precision = self.precision_plugin
-        precision._after_closure(model, optimizer)
+        with self._grads_in_hooks(model, engine):  # zero/grad_window.py
+            precision._after_closure(model, optimizer)
         clip, clip_value = precision.pop_clip()
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
             return None
         self._zero.step(engine, clip, self._step_index(), clip_value=clip_value)
         return result
+
+    def _grads_in_hooks(self, model: "pl.LightningModule", engine: ZeroEngine) -> AbstractContextManager[None]:
+        """Stages 1-3 with a hook before the step: placeholder gradients that refuse arithmetic
+        ([Note: gradients in the hooks before the step])."""
+        callbacks = model.trainer.callbacks if model._trainer is not None else []
+        hooked = (is_overridden("on_before_optimizer_step", model, pl.LightningModule)
+                  or is_overridden("configure_gradient_clipping", model, pl.LightningModule)
+                  or any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in callbacks))
+        if engine.stage < 1 or not hooked:
+            return nullcontext()
+        params = [p for fg in engine.groups for p in fg.params if local_tensor(p) is p]
+        return partitioned_grads(params, engine.param_names)
 
     def _step_index(self) -> Optional[int]:
         """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch (for

@@ -255,6 +255,53 @@ def _clip_case(algorithm: str) -> Callable[[str, Path], tuple[Net, pl.Trainer, d
     return case
 
 
+class _TorchClip(Net):
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        torch.nn.utils.clip_grad_norm_(self.parameters(), 0.02)
+
+
+class _GradEdit(Net):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.1)
+
+
+class _ModuleClip(Net):
+    """Lightning's documented override: clip through ``self.clip_gradients``, from epoch 1 on only."""
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Any = None) -> None:
+        if self.current_epoch >= 1:
+            self.clip_gradients(optimizer, gradient_clip_val=0.02, gradient_clip_algorithm="norm")
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:  # reads only what a placeholder allows
+        self.grads_present = sum(p.grad is not None for p in self.parameters())
+
+
+def case_module_clip(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    model = _ModuleClip(lr=3e-2)
+    trainer = _trainer(spec, max_epochs=2)
+    trainer.fit(model)
+    return model, trainer, {"grads_present": model.grads_present}
+
+
+def case_torch_clip(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    model = _TorchClip(lr=3e-2)
+    trainer = _trainer(spec, max_epochs=2)
+    trainer.fit(model)
+    return model, trainer, {}
+
+
+def case_grad_edit(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    model = _GradEdit(lr=3e-2)
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.3)  # type: ignore[method-assign]
+    trainer = _trainer(spec, max_epochs=2)
+    trainer.fit(model)
+    return model, trainer, {}
+
+
 def case_lr_find(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     model = Net()
     trainer = _trainer(spec, max_epochs=1, default_root_dir=str(out / f"lr_find_{spec}"))
@@ -310,7 +357,10 @@ CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
     "clip_norm_acc3": _clip_case("norm"),
     "clip_value_acc3": _clip_case("value"),
     "clip_value_partial": _clip_case("value"),  # zero2_partial: refused
-    "noclip_acc3": _clip_case("none"),  # ddp only: clipping must change the run, or its parity proves nothing
+    "noclip_acc3": _clip_case("none"),
+    "torch_clip": case_torch_clip,
+    "module_clip": case_module_clip,
+    "grad_edit": case_grad_edit,  # ddp only: clipping must change the run, or its parity proves nothing
     "lr_find": case_lr_find,
     "scale_batch_size": case_scale_batch_size,
     "ckpt_best": case_ckpt_best,

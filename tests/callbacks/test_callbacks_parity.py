@@ -19,7 +19,8 @@ from tests.helpers.harness import ScenarioRun, run_scenario
 
 TOL = 1e-4
 STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
-PARITY = ["freeze_then_unfreeze", "clip_norm_acc3", "clip_value_acc3", "accumulation_scheduler", "lr_find", "ckpt_best"]
+PARITY = ["freeze_then_unfreeze", "clip_norm_acc3", "clip_value_acc3", "accumulation_scheduler", "lr_find", "ckpt_best",
+          "module_clip"]
 REFUSED = {  # case -> (specs, what the error says)
     "backbone_finetuning": (["zero2", "zero3"], "unfreezes parameters and adds optimizer param groups"),
     "swa": (["zero1", "zero3"], "StochasticWeightAveraging reads and overwrites the module's parameters"),
@@ -28,11 +29,15 @@ REFUSED = {  # case -> (specs, what the error says)
     "unfreeze_midway": (STAGES, "'backbone.0.weight' was frozen (requires_grad=False) when the ZeRO strategy set up"),
     "clip_value_partial": (["zero2_partial"], "gradient_clip_algorithm='value' is not supported with offload_ratio < 1"),
     "scale_batch_size": (["zero2"], "Tuning the batch size is currently not supported with distributed strategies"),
+    # zero/grad_window.py [Note: gradients in the hooks before the step]
+    "torch_clip": (STAGES, "The gradient of 'backbone.0.weight' was used (linalg_vector_norm) between backward"),
+    "grad_edit": (["zero1", "zero3"], "The gradient of 'backbone.0.weight' was used (mul_) between backward"),
 }
 RUNS: dict[str, list[str]] = {
     **{case: ["ddp", *STAGES] for case in PARITY},
     "noclip_acc3": ["ddp"],
-    **{case: specs for case, (specs, _) in REFUSED.items()},
+    "torch_clip": ["ddp", *STAGES],  # ddp: torch's clip changes the run there (so the refusal matters)
+    **{case: specs for case, (specs, _) in REFUSED.items() if case != "torch_clip"},
 }
 
 
@@ -83,6 +88,10 @@ def test_the_ddp_references_are_not_trivial(runs: Callable[[str, str], dict[str,
         assert max(_weights_rel(clipped, noclip["weights"]).values()) > 1e-2, case
     sched = _ok(runs("accumulation_scheduler", "ddp"))["per_rank"][0]["extra"]["global_step"]
     assert sched == 7 + 3 + 3, sched
+    torch_clipped = _ok(runs("torch_clip", "ddp"))["weights"]
+    module_clipped = _ok(runs("module_clip", "ddp"))
+    assert max(_weights_rel(module_clipped["weights"], torch_clipped).values()) > 1e-2
+    assert module_clipped["per_rank"][0]["extra"]["grads_present"] == 6  # the hook saw a .grad on each parameter
     ref = _ok(runs("freeze_then_unfreeze", "ddp"))
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ref["per_rank"])
 
