@@ -98,6 +98,7 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._zero = Engines(self.config, lambda: self.precision_plugin)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
+        self._manual_window: Optional[AbstractContextManager[None]] = None  # _open_manual_window
         self._pipeline: Optional[PipelineIntegration] = None
         self._sequence: Optional[SequenceContext] = None
 
@@ -286,8 +287,11 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._zero.begin_step("train"):
-            out = super().training_step(*args, **kwargs)
+        try:
+            with self._zero.begin_step("train"):
+                out = super().training_step(*args, **kwargs)
+        finally:
+            self._close_manual_window()
         if self._sequence is not None and self._sequence.calls == 0:  # the first step ran no split attention
             sequence_apply.check_attention_ran(self._sequence, self.lightning_module)
         return out
@@ -352,6 +356,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._close_manual_window()
         # engines.py: reported once, no collectives from here on; an async save gets a bounded wait first
         self._zero.fail(exception, lambda: self._checkpoints.wait_or_abandon(timeout_s=60.0))
 
@@ -369,8 +374,31 @@ class ZeroStrategy(ParallelStrategy):
             yield None
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._close_manual_window()  # autograd accumulates into .grad
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self._zero.post_backward()
+        self._open_manual_window()
+
+    def _open_manual_window(self) -> None:
+        """Manual optimization: placeholder gradients from ``manual_backward`` to ``opt.step()`` (or the next
+        backward, or the end of the training step): user code clipping ``p.grad`` there is refused
+        (zero/grad_window.py [Note: gradients in the hooks before the step])."""
+        model = self.lightning_module
+        if model is None or model.automatic_optimization or self._manual_window is not None or self._pipeline is not None:
+            return
+        engines = [e for e in self.engines if e.stage >= 1]
+        params = [p for e in engines for fg in e.groups for p in fg.params if local_tensor(p) is p]
+        if params:
+            self._manual_window = partitioned_grads(params, {k: v for e in engines for k, v in e.param_names.items()})
+            self._manual_window.__enter__()
+
+    def _close_manual_window(self) -> None:
+        window, self._manual_window = self._manual_window, None
+        if window is not None:
+            window.__exit__(None, None, None)
 
     @override
     def optimizer_step(
@@ -391,6 +419,7 @@ class ZeroStrategy(ParallelStrategy):
         precision = self.precision_plugin
         with self._grads_in_hooks(model, engine):  # zero/grad_window.py
             precision._after_closure(model, optimizer)
+        self._close_manual_window()
         clip, clip_value = precision.pop_clip()
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
@@ -405,7 +434,7 @@ class ZeroStrategy(ParallelStrategy):
         hooked = (is_overridden("on_before_optimizer_step", model, pl.LightningModule)
                   or is_overridden("configure_gradient_clipping", model, pl.LightningModule)
                   or any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in callbacks))
-        if engine.stage < 1 or not hooked:
+        if engine.stage < 1 or not hooked or self._manual_window is not None:
             return nullcontext()
         params = [p for fg in engine.groups for p in fg.params if local_tensor(p) is p]
         return partitioned_grads(params, engine.param_names)
@@ -514,6 +543,7 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        self._close_manual_window()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         if not len(self._zero) and not _has_meta_tensors(self.lightning_module):
             super().teardown()

@@ -16,7 +16,9 @@ metadata and storage can be read (``is not None``, shape, dtype, memory probes) 
 cannot: any other torch operation raises :class:`GradientOutsideStepError`, naming the supported ways
 (``gradient_clip_val`` / ``self.clip_gradients``, which the engine applies over the partitions;
 ``trainer.strategy.grad_norm`` to log the norm). The parameters' own ``.grad`` is put back before the
-engine steps. Installed only when such a hook exists (a Python loop over the parameters per step).
+engine steps. Installed only when such a hook exists (a Python loop over the parameters per step), and
+under manual optimization from each ``manual_backward`` to ``opt.step()`` (or the next backward, or the end
+of ``training_step``), where the user's own code sits in the same place (strategy.py).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ class PartitionedGrad(Tensor):
             name = placeholder.param_name if placeholder is not None else "a parameter"
             raise GradientOutsideStepError(
                 f"The gradient of '{name}' was used ({_name(func) or func}) between backward and the optimizer step "
-                "(on_before_optimizer_step or configure_gradient_clipping), where ZeRO stages 1-3 hold it only in "
+                "(on_before_optimizer_step, configure_gradient_clipping, or after manual_backward), where ZeRO stages 1-3 hold it only in "
                 "partitions across ranks: clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) or "
                 "self.clip_gradients(optimizer, ...) (applied by the engine to the whole gradient), read the global "
                 "norm from trainer.strategy.grad_norm after the step, or train with strategy='ddp'."

@@ -287,6 +287,41 @@ def case_module_clip(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     return model, trainer, {"grads_present": model.grads_present}
 
 
+class _Manual(Net):
+    """Manual optimization, two micro-batches per step (a forward after a backward), then a clip."""
+
+    def __init__(self, torch_clip: bool) -> None:
+        super().__init__(lr=3e-2)
+        self.automatic_optimization = False
+        self.torch_clip = torch_clip
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        losses = []
+        for half in (slice(0, 2), slice(2, 4)):
+            loss = torch.nn.functional.mse_loss(self(x[half]), y[half]) / 2
+            self.manual_backward(loss)
+            losses.append(float(loss.detach()))
+        self.losses.append(sum(losses))
+        if self.torch_clip:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), 0.02)
+        else:
+            self.clip_gradients(opt, gradient_clip_val=0.02, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+def _manual_case(torch_clip: bool) -> Callable[[str, Path], tuple[Net, pl.Trainer, dict]]:
+    def case(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+        model = _Manual(torch_clip)
+        trainer = _trainer(spec, max_epochs=1)
+        trainer.fit(model)
+        return model, trainer, {}
+
+    return case
+
+
 def case_torch_clip(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     model = _TorchClip(lr=3e-2)
     trainer = _trainer(spec, max_epochs=2)
@@ -360,6 +395,8 @@ CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
     "noclip_acc3": _clip_case("none"),
     "torch_clip": case_torch_clip,
     "module_clip": case_module_clip,
+    "manual_clip": _manual_case(torch_clip=False),
+    "manual_torch_clip": _manual_case(torch_clip=True),
     "grad_edit": case_grad_edit,  # ddp only: clipping must change the run, or its parity proves nothing
     "lr_find": case_lr_find,
     "scale_batch_size": case_scale_batch_size,

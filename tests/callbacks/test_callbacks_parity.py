@@ -20,7 +20,7 @@ from tests.helpers.harness import ScenarioRun, run_scenario
 TOL = 1e-4
 STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
 PARITY = ["freeze_then_unfreeze", "clip_norm_acc3", "clip_value_acc3", "accumulation_scheduler", "lr_find", "ckpt_best",
-          "module_clip"]
+          "module_clip", "manual_clip"]
 REFUSED = {  # case -> (specs, what the error says)
     "backbone_finetuning": (["zero2", "zero3"], "unfreezes parameters and adds optimizer param groups"),
     "swa": (["zero1", "zero3"], "StochasticWeightAveraging reads and overwrites the module's parameters"),
@@ -32,12 +32,14 @@ REFUSED = {  # case -> (specs, what the error says)
     # zero/grad_window.py [Note: gradients in the hooks before the step]
     "torch_clip": (STAGES, "The gradient of 'backbone.0.weight' was used (linalg_vector_norm) between backward"),
     "grad_edit": (["zero1", "zero3"], "The gradient of 'backbone.0.weight' was used (mul_) between backward"),
+    "manual_torch_clip": (["zero2", "zero3_offload"], "'backbone.0.weight' was used (linalg_vector_norm) between"),
 }
 RUNS: dict[str, list[str]] = {
     **{case: ["ddp", *STAGES] for case in PARITY},
     "noclip_acc3": ["ddp"],
     "torch_clip": ["ddp", *STAGES],  # ddp: torch's clip changes the run there (so the refusal matters)
-    **{case: specs for case, (specs, _) in REFUSED.items() if case != "torch_clip"},
+    "manual_torch_clip": ["ddp", "zero2", "zero3_offload"],
+    **{case: specs for case, (specs, _) in REFUSED.items() if case not in ("torch_clip", "manual_torch_clip")},
 }
 
 
@@ -92,6 +94,9 @@ def test_the_ddp_references_are_not_trivial(runs: Callable[[str, str], dict[str,
     module_clipped = _ok(runs("module_clip", "ddp"))
     assert max(_weights_rel(module_clipped["weights"], torch_clipped).values()) > 1e-2
     assert module_clipped["per_rank"][0]["extra"]["grads_present"] == 6  # the hook saw a .grad on each parameter
+    # under ddp a torch clip after manual_backward is Lightning's clip: the route the refusal names
+    manual = _weights_rel(_ok(runs("manual_torch_clip", "ddp"))["weights"], _ok(runs("manual_clip", "ddp"))["weights"])
+    assert max(manual.values()) < TOL, manual
     ref = _ok(runs("freeze_then_unfreeze", "ddp"))
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ref["per_rank"])
 
