@@ -112,6 +112,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._ready = False
         """Whether the module is cast and its engines (if any) exist ([Note: set up without an optimizer])."""
         self._clip: dict[int, float] = {}
+        self._clip_value: dict[int, float] = {}  # precision.py [Note: clipping by value]
         """Per engine: the max_norm of ``clip_gradients`` for its next step."""
         self._backward_pending = False
         """A training forward ran and its backward has not: a second forward belongs to the same step."""
@@ -382,6 +383,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if float(norm_type) != 2.0:
             raise ValueError(f"ZeRO clips by the global 2-norm only (norm_type=2.0), got norm_type={norm_type!r}.")
         engine = self._engine_or_raise(optimizer)
+        if id(engine) in self._clip_value:
+            raise ValueError("clip_gradients by norm after clipping by value in the same step is not supported under ZeRO.")
         scaler = self.precision.scaler
         scale = scaler.scale if scaler is not None else 1.0
         norm = engine.global_grad_norm_sq(engine._master_grads()).sqrt() / scale
@@ -396,10 +399,12 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        raise ValueError(
-            "ZeRO clips gradients by their global norm only: elementwise clipping would need every full gradient, "
-            "which stages 1-3 never assemble. Use `fabric.clip_gradients(model, optimizer, max_norm=...)`."
-        )
+        """Each element of the unscaled gradient clamped to [-clip_val, clip_val], inside the next
+        ``optimizer.step()`` on each rank's reduced shard (precision.py [Note: clipping by value])."""
+        engine = self._engine_or_raise(optimizer)
+        if id(engine) in self._clip:
+            raise ValueError("clip_gradients by value after clipping by norm in the same step is not supported under ZeRO.")
+        self._clip_value[id(engine)] = float(clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -411,7 +416,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._zero.step(engine, self._clip.pop(id(engine), None))
+        self._zero.step(engine, self._clip.pop(id(engine), None), clip_value=self._clip_value.pop(id(engine), None))
         return result
 
     def _engine_or_raise(self, optimizer: Any) -> ZeroEngine:
