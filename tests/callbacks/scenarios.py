@@ -347,6 +347,17 @@ def case_lr_find(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     return model, trainer, extra
 
 
+def case_lr_finder_callback(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
+    """``LearningRateFinder`` runs the search inside fit (on_fit_start), then restores and trains."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    model = Net()
+    finder = LearningRateFinder(min_lr=1e-4, max_lr=1e-1, num_training_steps=6, early_stop_threshold=None)
+    trainer = _trainer(spec, max_epochs=1, default_root_dir=str(out / f"lr_cb_{spec}"), callbacks=[finder])
+    trainer.fit(model)
+    return model, trainer, {"lr": model.lr, "lr_losses": list(finder.optimal_lr.results["loss"])}
+
+
 def case_scale_batch_size(spec: str, out: Path) -> tuple[Net, pl.Trainer, dict]:
     model = Net(batch_size=2)
     trainer = _trainer(spec, max_epochs=1, default_root_dir=str(out / f"sbs_{spec}"))
@@ -400,6 +411,7 @@ CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
     "grad_edit": case_grad_edit,  # ddp only: clipping must change the run, or its parity proves nothing
     "lr_find": case_lr_find,
     "scale_batch_size": case_scale_batch_size,
+    "lr_finder_callback": case_lr_finder_callback,
     "ckpt_best": case_ckpt_best,
 }
 

@@ -20,7 +20,7 @@ from tests.helpers.harness import ScenarioRun, run_scenario
 TOL = 1e-4
 STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
 PARITY = ["freeze_then_unfreeze", "clip_norm_acc3", "clip_value_acc3", "accumulation_scheduler", "lr_find", "ckpt_best",
-          "module_clip", "manual_clip"]
+          "module_clip", "manual_clip", "lr_finder_callback"]
 REFUSED = {  # case -> (specs, what the error says)
     "backbone_finetuning": (["zero2", "zero3"], "unfreezes parameters and adds optimizer param groups"),
     "swa": (["zero1", "zero3"], "StochasticWeightAveraging reads and overwrites the module's parameters"),
