@@ -2,7 +2,7 @@
 
 [Note: callbacks that edit parameters or param groups mid-training]
 The engines partition the optimizer's param groups once, at setup (zero/engine.py [Note: the optimizer
-keeps the model's parameters]); stage 3 also releases the module's parameters between forwards. Two
+keeps the model's parameters]); stage 3 also releases the module's parameters between forwards. These
 Lightning callbacks work behind that partition's back:
 
 * ``BaseFinetuning`` (``BackboneFinetuning`` and user subclasses) unfreezes parameters and calls

@@ -3,7 +3,8 @@ ZeRO stage against Lightning's ``ddp`` (fp32, 2 gloo ranks, one launch: tests/ca
 
 What trains as under ddp must match it to TOL (losses per step on every rank, final weights); what the
 engines cannot follow must be refused with its one-sentence reason (trainer_checks.py [Note: callbacks
-that edit parameters or param groups mid-training], zero/engine.py ``check_param_groups``).
+that edit parameters or param groups mid-training], zero/engine.py ``check_param_groups``, zero/grad_window.py
+[Note: gradients in the hooks before the step]).
 """
 
 from __future__ import annotations
