@@ -18,7 +18,8 @@ cannot: any other torch operation raises :class:`GradientOutsideStepError`, nami
 ``trainer.strategy.grad_norm`` to log the norm). The parameters' own ``.grad`` is put back before the
 engine steps. Installed only when such a hook exists (a Python loop over the parameters per step), and
 under manual optimization from each ``manual_backward`` to ``opt.step()`` (or the next backward, or the end
-of ``training_step``), where the user's own code sits in the same place (strategy.py).
+of ``training_step``), where the user's own code sits in the same place (strategy.py); under Fabric from
+``fabric.backward`` to ``optimizer.step()`` (fabric/strategy.py). Each front door names its own fixes.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ ALLOWED = frozenset({
 """What code may read from a placeholder (metadata and storage identity, never values)."""
 
 
+TRAINER_FIXES = (
+    "in on_before_optimizer_step, configure_gradient_clipping or after manual_backward, clip with "
+    "Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) or self.clip_gradients(optimizer, ...) (applied "
+    "by the engine to the whole gradient), read the global norm from trainer.strategy.grad_norm after the step, "
+    "or train with strategy='ddp'."
+)
+FABRIC_FIXES = (
+    "after fabric.backward, clip with fabric.clip_gradients(model, optimizer, max_norm=... or clip_val=...) "
+    "(applied by the engine to the whole gradient, which also returns the global norm), or use Fabric's 'ddp'."
+)
+
+
 class GradientOutsideStepError(RuntimeError):
     """User code read or changed gradient values between backward and the step under ZeRO stages 1-3."""
 
@@ -54,18 +67,17 @@ class PartitionedGrad(Tensor):
     """The placeholder ``.grad`` of [Note: gradients in the hooks before the step]."""
 
     param_name: str = "a parameter"
+    fixes: str = ""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Optional[dict] = None) -> Any:
         if _name(func) not in ALLOWED:
             placeholder = next((a for a in _flat(args) if isinstance(a, PartitionedGrad)), None)
             name = placeholder.param_name if placeholder is not None else "a parameter"
+            fixes = placeholder.fixes if placeholder is not None else ""
             raise GradientOutsideStepError(
-                f"The gradient of '{name}' was used ({_name(func) or func}) between backward and the optimizer step "
-                "(on_before_optimizer_step, configure_gradient_clipping, or after manual_backward), where ZeRO stages 1-3 hold it only in "
-                "partitions across ranks: clip with Trainer(gradient_clip_val=..., gradient_clip_algorithm=...) or "
-                "self.clip_gradients(optimizer, ...) (applied by the engine to the whole gradient), read the global "
-                "norm from trainer.strategy.grad_norm after the step, or train with strategy='ddp'."
+                f"The gradient of '{name}' was used ({_name(func) or func}) between backward and the optimizer step, "
+                f"where ZeRO stages 1-3 hold it only in partitions across ranks: {fixes}"
             )
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
@@ -83,9 +95,11 @@ def _flat(args: Any) -> Iterable[Any]:
 
 
 @contextmanager
-def partitioned_grads(params: Iterable[Parameter], names: dict[int, str]) -> Generator[None, None, None]:
+def partitioned_grads(params: Iterable[Parameter], names: dict[int, str], fixes: str = TRAINER_FIXES
+                      ) -> Generator[None, None, None]:
     """Inside the block each of ``params`` (the engines' managed, non-DTensor parameters) holds a
-    :class:`PartitionedGrad`; its own ``.grad`` is restored on exit, whatever happened."""
+    :class:`PartitionedGrad`; its own ``.grad`` is restored on exit, whatever happened. ``fixes``: the
+    supported ways, as the front door names them (the error's second half)."""
     bases: dict[tuple[torch.dtype, torch.device], Tensor] = {}
     saved: list[tuple[Parameter, Optional[Tensor]]] = []
     try:
@@ -95,6 +109,7 @@ def partitioned_grads(params: Iterable[Parameter], names: dict[int, str]) -> Gen
                 bases[key] = torch.zeros((), dtype=p.dtype, device=p.device)
             holder = bases[key].expand(p.shape).as_subclass(PartitionedGrad)
             holder.param_name = names.get(id(p), "a parameter")
+            holder.fixes = fixes
             saved.append((p, p.grad))
             p.grad = holder
         yield
