@@ -99,6 +99,7 @@ class ZeroStrategy(ParallelStrategy):
         self._zero = Engines(self.config, lambda: self.precision_plugin)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
         self._manual_window: Optional[AbstractContextManager[None]] = None  # _open_manual_window
+        self._placeholders: dict[int, Any] = {}  # zero/grad_window.py, reused from step to step
         self._pipeline: Optional[PipelineIntegration] = None
         self._sequence: Optional[SequenceContext] = None
 
@@ -392,7 +393,8 @@ class ZeroStrategy(ParallelStrategy):
         engines = [e for e in self.engines if e.stage >= 1]
         params = [p for e in engines for fg in e.groups for p in fg.params if local_tensor(p) is p]
         if params:
-            self._manual_window = partitioned_grads(params, {k: v for e in engines for k, v in e.param_names.items()})
+            names = {k: v for e in engines for k, v in e.param_names.items()}
+            self._manual_window = partitioned_grads(params, names, cache=self._placeholders)
             self._manual_window.__enter__()
 
     def _close_manual_window(self) -> None:
@@ -437,7 +439,7 @@ class ZeroStrategy(ParallelStrategy):
         if engine.stage < 1 or not hooked or self._manual_window is not None:
             return nullcontext()
         params = [p for fg in engine.groups for p in fg.params if local_tensor(p) is p]
-        return partitioned_grads(params, engine.param_names)
+        return partitioned_grads(params, engine.param_names, cache=self._placeholders)
 
     def _step_index(self) -> Optional[int]:
         """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch (for
@@ -544,6 +546,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self._close_manual_window()
+        self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         if not len(self._zero) and not _has_meta_tensors(self.lightning_module):
             super().teardown()

@@ -116,6 +116,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._clip: dict[int, float] = {}
         self._clip_value: dict[int, float] = {}  # precision.py [Note: clipping by value]
         self._grad_window: Optional[AbstractContextManager[None]] = None  # _open_grad_window
+        self._placeholders: dict[int, Any] = {}  # zero/grad_window.py, reused from step to step
         """Per engine: the max_norm of ``clip_gradients`` for its next step."""
         self._backward_pending = False
         """A training forward ran and its backward has not: a second forward belongs to the same step."""
@@ -382,7 +383,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         params = [p for e in engines for fg in e.groups for p in fg.params if local_tensor(p) is p]
         if self._grad_window is None and params:
             names = {k: v for e in engines for k, v in e.param_names.items()}
-            self._grad_window = partitioned_grads(params, names, FABRIC_FIXES)
+            self._grad_window = partitioned_grads(params, names, FABRIC_FIXES, cache=self._placeholders)
             self._grad_window.__enter__()
 
     def _close_grad_window(self) -> None:
@@ -506,6 +507,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     @override
     def teardown(self) -> None:
         self._close_grad_window()
+        self._placeholders.clear()
         """Engines finished (offload threads, swap files); parameters are not moved to the CPU (the
         engines keep their partitions, a save afterwards still works)."""
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
