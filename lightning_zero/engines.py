@@ -202,12 +202,14 @@ class Engines:
         for engine in self:
             engine.post_backward()
 
-    def step(self, engine: ZeroEngine, clip: Optional[float], step_index: Optional[int] = None) -> bool:
+    def step(self, engine: ZeroEngine, clip: Optional[float], step_index: Optional[int] = None,
+             clip_value: Optional[float] = None) -> bool:
         """Unscale, clip, step and write back through ``engine``; False (and a warning) when the step
         was skipped on every rank: an fp16 overflow, or a non-finite gradient under ``nonfinite='skip'``
         (zero/engine.py [Note: non-finite steps]); ``nonfinite='error'``, or too many skips in a row,
         raise :class:`NonFiniteStepError` on every rank. ``step_index``: the step's number for messages
-        (default: this optimizer's steps so far, skipped ones included)."""
+        (default: this optimizer's steps so far, skipped ones included). ``clip``: max global norm;
+        ``clip_value``: max absolute value of each gradient element (zero/engine.py [Note: clipping by value])."""
         precision = self._precision()
         scaler = precision.scaler
         policy = self.config.nonfinite
@@ -215,7 +217,7 @@ class Engines:
         self._steps_seen[id(engine)] = step + 1
         scale_can_drop = scaler is not None and scaler.scale > scaler.config.min_scale
         # fp16 overflows the scale can still absorb are the scaler's: no search for the culprit
-        stepped = engine.step(clip, scaler, check_finite=policy != "ignore" and not scale_can_drop)
+        stepped = engine.step(clip, scaler, check_finite=policy != "ignore" and not scale_can_drop, clip_value=clip_value)
         if stepped:
             self._nonfinite_in_a_row = 0
             return True

@@ -123,17 +123,24 @@ class ZeroPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Record the request: the engine clips by the true global norm over all partitions."""
-        if clip_val and clip_val > 0:
-            if GradClipAlgorithmType(gradient_clip_algorithm) != GradClipAlgorithmType.NORM:
-                raise ValueError(
-                    "ZeroStrategy clips by the global gradient norm only: use gradient_clip_algorithm='norm'."
-                )
-            self._clip = (float(clip_val), GradClipAlgorithmType.NORM)
+        """Record the request: the engine clips after unscaling, by the true global norm over all partitions, or
+        by value ([Note: clipping by value]).
 
-    def pop_clip_value(self) -> Optional[float]:
+        [Note: clipping by value]
+        ``gradient_clip_algorithm="value"`` clamps each element of the all-reduced, unscaled gradient to
+        [-v, v]. Elementwise, so clamping each rank's reduced shard (zero/engine.py ``step``, after the
+        non-finite check) is ddp's clamp exactly; ``grad_norm`` stays the norm before clipping. Partial
+        offload's device share (``offload_ratio`` < 1) is refused (offload/engine.py).
+        """
+        if clip_val and clip_val > 0:
+            self._clip = (float(clip_val), GradClipAlgorithmType(gradient_clip_algorithm))
+
+    def pop_clip(self) -> tuple[Optional[float], Optional[float]]:
+        """This step's clipping request as ``(max_norm, max_value)`` (at most one set), then forgotten."""
         clip, self._clip = self._clip, None
-        return clip[0] if clip else None
+        if clip is None:
+            return None, None
+        return (clip[0], None) if clip[1] == GradClipAlgorithmType.NORM else (None, clip[0])
 
     @property
     def loss_scale(self) -> Optional[float]:

@@ -19,7 +19,7 @@ calls and in what order; neither holds ZeRO math (zero/, offload/).
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Union
 
 import torch
@@ -44,14 +44,17 @@ from lightning_zero.config import LossScaleConfig, SequenceConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
 from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.sequence import apply as sequence_apply
 from lightning_zero.sequence.context import SequenceContext
+from lightning_zero.trainer_checks import check_callbacks
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.grad_window import partitioned_grads
 from lightning_zero.zero.materialize import params_on_meta
 
 if TYPE_CHECKING:
@@ -95,6 +98,8 @@ class ZeroStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._zero = Engines(self.config, lambda: self.precision_plugin)
         self._checkpoints = StrategyCheckpoints(self._zero, self)
+        self._manual_window: Optional[AbstractContextManager[None]] = None  # _open_manual_window
+        self._placeholders: dict[int, Any] = {}  # zero/grad_window.py, reused from step to step
         self._pipeline: Optional[PipelineIntegration] = None
         self._sequence: Optional[SequenceContext] = None
 
@@ -231,6 +236,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._pipeline is not None:  # this stage's layers only, tied copies made equal
             self._pipeline.prepare(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:  # before any step ([Note: callbacks that edit parameters or param groups mid-training])
+            check_callbacks(trainer.callbacks)
 
         def optimizers() -> list[Optimizer]:
             self.setup_optimizers(trainer)  # Lightning's configure_optimizers, on the placed module
@@ -281,8 +288,11 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._zero.begin_step("train"):
-            out = super().training_step(*args, **kwargs)
+        try:
+            with self._zero.begin_step("train"):
+                out = super().training_step(*args, **kwargs)
+        finally:
+            self._close_manual_window()
         if self._sequence is not None and self._sequence.calls == 0:  # the first step ran no split attention
             sequence_apply.check_attention_ran(self._sequence, self.lightning_module)
         return out
@@ -347,6 +357,7 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._close_manual_window()
         # engines.py: reported once, no collectives from here on; an async save gets a bounded wait first
         self._zero.fail(exception, lambda: self._checkpoints.wait_or_abandon(timeout_s=60.0))
 
@@ -364,8 +375,32 @@ class ZeroStrategy(ParallelStrategy):
             yield None
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        self._close_manual_window()  # autograd accumulates into .grad
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         self._zero.post_backward()
+        self._open_manual_window()
+
+    def _open_manual_window(self) -> None:
+        """Manual optimization: placeholder gradients from ``manual_backward`` to ``opt.step()`` (or the next
+        backward, or the end of the training step): user code clipping ``p.grad`` there is refused
+        (zero/grad_window.py [Note: gradients in the hooks before the step])."""
+        model = self.lightning_module
+        if model is None or model.automatic_optimization or self._manual_window is not None or self._pipeline is not None:
+            return
+        engines = [e for e in self.engines if e.stage >= 1]
+        params = [p for e in engines for fg in e.groups for p in fg.params if local_tensor(p) is p]
+        if params:
+            names = {k: v for e in engines for k, v in e.param_names.items()}
+            self._manual_window = partitioned_grads(params, names, cache=self._placeholders)
+            self._manual_window.__enter__()
+
+    def _close_manual_window(self) -> None:
+        window, self._manual_window = self._manual_window, None
+        if window is not None:
+            window.__exit__(None, None, None)
 
     @override
     def optimizer_step(
@@ -384,13 +419,27 @@ class ZeroStrategy(ParallelStrategy):
         engine.step_in_backward = self._step_can_run_in_backward(model)  # offload/eager.py; other engines ignore it
         result = closure()
         precision = self.precision_plugin
-        precision._after_closure(model, optimizer)
-        clip = precision.pop_clip_value()
+        with self._grads_in_hooks(model, engine):  # zero/grad_window.py
+            precision._after_closure(model, optimizer)
+        self._close_manual_window()
+        clip, clip_value = precision.pop_clip()
         if result is None and model.automatic_optimization:
             engine._zero_grads()  # training_step returned None: skip the step, as torch would
             return None
-        self._zero.step(engine, clip, self._step_index())
+        self._zero.step(engine, clip, self._step_index(), clip_value=clip_value)
         return result
+
+    def _grads_in_hooks(self, model: "pl.LightningModule", engine: ZeroEngine) -> AbstractContextManager[None]:
+        """Stages 1-3 with a hook before the step: placeholder gradients that refuse arithmetic
+        ([Note: gradients in the hooks before the step])."""
+        callbacks = model.trainer.callbacks if model._trainer is not None else []
+        hooked = (is_overridden("on_before_optimizer_step", model, pl.LightningModule)
+                  or is_overridden("configure_gradient_clipping", model, pl.LightningModule)
+                  or any(is_overridden("on_before_optimizer_step", cb, pl.Callback) for cb in callbacks))
+        if engine.stage < 1 or not hooked or self._manual_window is not None:
+            return nullcontext()
+        params = [p for fg in engine.groups for p in fg.params if local_tensor(p) is p]
+        return partitioned_grads(params, engine.param_names, cache=self._placeholders)
 
     def _step_index(self) -> Optional[int]:
         """The Trainer's ``global_step`` (restored on resume) when one optimizer steps per batch (for
@@ -496,6 +545,8 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        self._close_manual_window()
+        self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         if not len(self._zero) and not _has_meta_tensors(self.lightning_module):
             super().teardown()

@@ -49,10 +49,12 @@ from lightning_zero.fabric.checkpoint import FabricCheckpoints
 from lightning_zero.fabric.precision import ZeroFabricPrecision
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.offload.settings import OffloadHost
+from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
+from lightning_zero.zero.grad_window import FABRIC_FIXES, partitioned_grads
 from lightning_zero.zero.materialize import params_on_meta
 
 if TYPE_CHECKING:
@@ -112,6 +114,9 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._ready = False
         """Whether the module is cast and its engines (if any) exist ([Note: set up without an optimizer])."""
         self._clip: dict[int, float] = {}
+        self._clip_value: dict[int, float] = {}  # precision.py [Note: clipping by value]
+        self._grad_window: Optional[AbstractContextManager[None]] = None  # _open_grad_window
+        self._placeholders: dict[int, Any] = {}  # zero/grad_window.py, reused from step to step
         """Per engine: the max_norm of ``clip_gradients`` for its next step."""
         self._backward_pending = False
         """A training forward ran and its backward has not: a second forward belongs to the same step."""
@@ -359,6 +364,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """The loss scaled (fp16), backward (engine hooks reduce buckets), the reductions finished."""
+        self._close_grad_window()  # autograd accumulates into .grad
         for engine in self._zero:
             self._zero.before_backward(engine)
         scaler = self.precision.scaler
@@ -367,6 +373,23 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         tensor.backward(*args, **kwargs)
         self._zero.post_backward()
         self._backward_pending = False
+        self._open_grad_window()
+
+    def _open_grad_window(self) -> None:
+        """Placeholder gradients from ``fabric.backward`` to ``optimizer.step()`` (or the next backward):
+        a torch clip or a ``p.grad`` edit in the loop is refused (zero/grad_window.py [Note: gradients in
+        the hooks before the step])."""
+        engines = [e for e in self._zero if e.stage >= 1]
+        params = [p for e in engines for fg in e.groups for p in fg.params if local_tensor(p) is p]
+        if self._grad_window is None and params:
+            names = {k: v for e in engines for k, v in e.param_names.items()}
+            self._grad_window = partitioned_grads(params, names, FABRIC_FIXES, cache=self._placeholders)
+            self._grad_window.__enter__()
+
+    def _close_grad_window(self) -> None:
+        window, self._grad_window = self._grad_window, None
+        if window is not None:
+            window.__exit__(None, None, None)
 
     @override
     def clip_gradients_norm(
@@ -382,6 +405,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if float(norm_type) != 2.0:
             raise ValueError(f"ZeRO clips by the global 2-norm only (norm_type=2.0), got norm_type={norm_type!r}.")
         engine = self._engine_or_raise(optimizer)
+        if id(engine) in self._clip_value:
+            raise ValueError("clip_gradients by norm after clipping by value in the same step is not supported under ZeRO.")
         scaler = self.precision.scaler
         scale = scaler.scale if scaler is not None else 1.0
         norm = engine.global_grad_norm_sq(engine._master_grads()).sqrt() / scale
@@ -396,10 +421,12 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        raise ValueError(
-            "ZeRO clips gradients by their global norm only: elementwise clipping would need every full gradient, "
-            "which stages 1-3 never assemble. Use `fabric.clip_gradients(model, optimizer, max_norm=...)`."
-        )
+        """Each element of the unscaled gradient clamped to [-clip_val, clip_val], inside the next
+        ``optimizer.step()`` on each rank's reduced shard (precision.py [Note: clipping by value])."""
+        engine = self._engine_or_raise(optimizer)
+        if id(engine) in self._clip:
+            raise ValueError("clip_gradients by value after clipping by norm in the same step is not supported under ZeRO.")
+        self._clip_value[id(engine)] = float(clip_val)
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -411,7 +438,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._zero.step(engine, self._clip.pop(id(engine), None))
+        self._close_grad_window()
+        self._zero.step(engine, self._clip.pop(id(engine), None), clip_value=self._clip_value.pop(id(engine), None))
         return result
 
     def _engine_or_raise(self, optimizer: Any) -> ZeroEngine:
@@ -478,6 +506,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        self._close_grad_window()
+        self._placeholders.clear()
         """Engines finished (offload threads, swap files); parameters are not moved to the CPU (the
         engines keep their partitions, a save afterwards still works)."""
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)

@@ -60,6 +60,7 @@ from lightning_zero.optim import host_states
 from lightning_zero.optim.host_states import HostAdamState
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.zero.engine import _Pending, squared_norm
+from lightning_zero.zero.loss_scaler import DynamicLossScaler
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,16 @@ class OffloadMixin(_EngineBase):
     @property
     def _step_counted(self) -> bool:
         return self.step_policy.step_counted
+
+    def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None, check_finite: bool = False,
+             clip_value: Optional[float] = None) -> bool:
+        """Refuses clipping by value with a device share (precision.py [Note: clipping by value]: the clamp
+        sees the host share's gradients only)."""
+        if clip_value and self._share is not None:
+            raise ValueError("gradient_clip_algorithm='value' is not supported with offload_ratio < 1 (the part of "
+                             "the partition stepped on the device would go unclipped): use offload_ratio=1 or "
+                             "gradient_clip_algorithm='norm'.")
+        return super().step(clip_val, scaler, check_finite, clip_value=clip_value)
 
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
         note_optimizer_step(self.optimizer)  # see [Note: the LR scheduler sees the CPU step]

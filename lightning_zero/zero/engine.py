@@ -432,9 +432,9 @@ class ZeroEngine:
     # rank's shard only: engines.py gathers the ranks' findings to name it). The policy (skip, error,
     # ignore; how many skips in a row) is engines.py's ``Engines.step``.
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None,
-             check_finite: bool = False) -> bool:
-        """Unscale, clip by the global norm, step the master shard, write back. False when skipped: an
-        fp16 overflow, or with ``check_finite`` any non-finite norm ([Note: non-finite steps])."""
+             check_finite: bool = False, clip_value: Optional[float] = None) -> bool:
+        """Unscale, clip by the global norm (``clip_val``) or each element (``clip_value``), step the master
+        shard, write back. False when skipped: an fp16 overflow, or with ``check_finite`` any non-finite norm."""
         self.check_param_groups()
         grads = self._master_grads()
         scale = scaler.scale if scaler is not None else 1.0
@@ -450,7 +450,11 @@ class ZeroEngine:
                 self._zero_grads()
                 return False
         coef = 1.0 / scale
-        if clip_val is not None and clip_val > 0:
+        if clip_value is not None and clip_value > 0:  # precision.py [Note: clipping by value]
+            for g in grads:
+                g.mul_(coef).clamp_(-clip_value, clip_value)
+            coef = 1.0
+        elif clip_val is not None and clip_val > 0:
             coef *= min(1.0, clip_val / (self.grad_norm + 1e-6))  # type: ignore[operator]
         self._plans = self.used.plan(self.optimizer, self.device, self._step_counted)  # collective: unused.py
         self._step_masters(grads, coef)

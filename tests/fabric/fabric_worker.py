@@ -3,7 +3,7 @@
 Runs ``{NAME: SPEC}`` (``run_worker``);
 SPEC is ``KIND[:key=value,...]`` with KIND ``ddp``, a registered name (``zero1``, ``zero3_offload``...)
 or ``trainer-zeroK`` (a Trainer with ZeroStrategy(stage=K) that fits from ``load``). Keys: steps,
-accum (micro-batches per step, accumulated under ``fabric.no_backward_sync``), clip (max_norm),
+accum (micro-batches per step, accumulated under ``fabric.no_backward_sync``), clip (max_norm), clip_value,
 first (index of the first step: data and step counter), save (save a checkpoint after that step
 into OUT/NAME_ckpt), load (a checkpoint directory to resume from before ``first``), raw (a consolidated
 file for ``fabric.load_raw``), meta=1 (stage 3:
@@ -157,6 +157,8 @@ def fabric_run(name: str, kind: str, opts: dict[str, str], out: str) -> dict[str
             losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
         if clip:
             norms.append(float(fabric.clip_gradients(model, opt, max_norm=clip)))
+        if "clip_value" in opts:  # elementwise, instead of (clip=0) or before nothing else
+            fabric.clip_gradients(model, opt, clip_val=float(opts["clip_value"]))
         opt.step()
         opt.zero_grad()
         skipped.append(getattr(fabric.strategy, "skipped_steps", 0))

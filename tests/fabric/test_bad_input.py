@@ -49,17 +49,17 @@ def test_stage3_model_without_its_optimizer_fails_at_the_first_forward() -> None
         model(torch.zeros(2, 3, dtype=torch.long))
 
 
-def test_clip_by_value_and_other_norms_are_refused() -> None:
+def test_other_norms_and_mixed_clipping_are_refused() -> None:
     fabric = _fabric("zero2")
     model = FabricNet()
     opt = torch.optim.AdamW(model.param_groups(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
     fabric.backward(model(torch.zeros(2, 3, dtype=torch.long)).float().pow(2).mean())
-    with pytest.raises(ValueError, match="global norm only.*max_norm"):
-        fabric.clip_gradients(model, opt, clip_val=1.0)
     with pytest.raises(ValueError, match="2-norm only"):
         fabric.clip_gradients(model, opt, max_norm=1.0, norm_type="inf")
     assert float(fabric.clip_gradients(model, opt, max_norm=1.0)) > 0  # the supported form works
+    with pytest.raises(ValueError, match="by value after clipping by norm in the same step"):
+        fabric.clip_gradients(model, opt, clip_val=1.0)
     opt.step()
 
 
@@ -69,3 +69,24 @@ def test_a_second_model_is_refused() -> None:
     fabric.setup(first, torch.optim.AdamW(first.param_groups(), lr=1e-3))
     with pytest.raises(ValueError, match="sets up one model"):
         fabric.setup_module(FabricNet())
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_torch_clip_in_the_loop_is_refused_and_the_step_still_runs(stage: str) -> None:
+    """zero/grad_window.py [Note: gradients in the hooks before the step]: between fabric.backward and
+    optimizer.step each .grad is a placeholder (a torch clip there would silently clip nothing)."""
+    from lightning_zero.zero.grad_window import GradientOutsideStepError
+
+    fabric = _fabric(stage)
+    model = FabricNet()
+    opt = torch.optim.AdamW(model.param_groups(), lr=1e-3)
+    model, opt = fabric.setup(model, opt)
+    before = {k: v.clone() for k, v in fabric.strategy.full_state_dict().items()}
+    fabric.backward(model(torch.zeros(2, 3, dtype=torch.long)).float().pow(2).mean())
+    with pytest.raises(GradientOutsideStepError, match="was used .*fabric.clip_gradients"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()  # the placeholders are gone before the engine steps
+    opt.zero_grad()
+    after = fabric.strategy.full_state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all(not type(p.grad).__name__ == "PartitionedGrad" for p in model.parameters())

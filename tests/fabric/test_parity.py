@@ -24,6 +24,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     specs["after_meta"] = "zero2:steps=3,accum=2,clip=0.5,first=1,load=meta_ckpt"
     specs["bf16"] = "zero2:steps=3,accum=1,clip=0,precision=bf16-mixed"
     specs["fp16"] = "zero2:steps=4,accum=1,clip=0.5,precision=16-mixed,inject=1"
+    for kind in ("ddp", "zero1", "zero3"):  # precision.py [Note: clipping by value]
+        specs[f"value_{kind}"] = f"{kind}:steps=3,accum=2,clip=0,clip_value=0.01"
+    specs["noclip_ddp"] = "ddp:steps=3,accum=2,clip=0"
     return run_worker(tmp, 2, specs, timeout=900, scenario=SCENARIO)
 
 
@@ -41,6 +44,16 @@ def test_the_runs_really_trained_and_clipped(runs: dict[str, dict]) -> None:
     ref = runs["ddp"]
     assert len(set(round(x, 4) for x in ref["losses"])) == len(ref["losses"])
     assert all(n > 0.5 for n in ref["norms"])  # clipping was active (max_norm 0.5) in every step
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_clipping_by_value_matches_fabric_ddp(runs: dict[str, dict], stage: str) -> None:
+    ref, got, noclip = runs["value_ddp"], runs[f"value_{stage}"], runs["noclip_ddp"]
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-4) and len(ref["losses"]) == 6
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][k], v, atol=1e-4, rtol=1e-4, msg=f"{stage}: {k}")
+    moved = max(float((v - noclip["weights"][k]).norm() / noclip["weights"][k].norm()) for k, v in ref["weights"].items())
+    assert moved > 1e-2, moved  # the clamp was active
 
 
 def test_stage3_empty_init_builds_on_meta_and_materialises_real_weights(runs: dict[str, dict]) -> None:
