@@ -353,3 +353,15 @@ def check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[i
                         f"optimizer {i} ({type(opt).__name__}). ZeRO keeps one partition and one optimizer state per "
                         "parameter: give every parameter to exactly one optimizer."
                     )
+
+
+def check_no_sparse_gradients(module: Module) -> None:
+    """Refuse trainable ``nn.Embedding``/``nn.EmbeddingBag`` built with ``sparse=True`` before the first
+    step: every stage reduces gradients through dense flat buffers, so a sparse gradient would fail in
+    the middle of the first backward with torch's "copy_() between dense and sparse Tensors"."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"'{name}' ({type(sub).__name__}) has sparse=True: ZeRO partitions dense gradients only, so "
+                "build it with sparse=False (the default; ddp gives it the same update) or freeze it."
+            )

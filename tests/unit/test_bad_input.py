@@ -77,3 +77,20 @@ def test_single_process_trains(stage: int) -> None:
     assert model.blocks[0].up.weight.dtype == torch.bfloat16
     assert not torch.equal(model.blocks[0].up.weight.float(), before)
     assert trainer.strategy.grad_norm is not None and trainer.strategy.grad_norm > 0
+
+
+class SparseEmbeddingNet(ParityNet):
+    """An ``nn.Embedding(sparse=True)`` beside the dense parameters (sparse gradients, for SparseAdam or SGD)."""
+
+    def __init__(self) -> None:
+        super().__init__(checkpointing=False)
+        self.tokens = torch.nn.Embedding(8, self.blocks[0].up.in_features, sparse=True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_sparse_embedding_is_refused_up_front(stage: int) -> None:
+    """Before the first step (not in the first backward, where torch's copy_() error named no module)."""
+    trainer = _trainer(ZeroStrategy(stage=stage))
+    with pytest.raises(ValueError, match=r"^'tokens' \(Embedding\) has sparse=True: ZeRO partitions dense gradients"):
+        trainer.fit(SparseEmbeddingNet())
+    assert trainer.global_step == 0
