@@ -13,8 +13,10 @@ ZeRO engine can get wrong.
   ``_flat_weights``, a list of references to their parameters, refreshed only when a parameter is
   re-assigned through ``__setattr__``: a stale list would make the kernel read old or released storage.
 * :class:`SharedBlocks` ("shared"): ALBERT-style weight sharing (one block applied three times per
-  forward, under non-reentrant ``torch.utils.checkpoint``, then a second block once, under reentrant
-  checkpointing), ``weight_norm`` and ``spectral_norm`` parametrizations (their
+  forward, twice of them wrapped whole in non-reentrant ``torch.utils.checkpoint`` as HF's gradient
+  checkpointing does, so under zero3 the unit's forward runs again inside backward; then a second
+  block once, wrapped in reentrant checkpointing), ``torch.utils.checkpoint`` inside each block's own
+  forward too (nested), ``weight_norm`` and ``spectral_norm`` parametrizations (their
   ``original0``/``original1`` parameters, spectral norm's power-iteration buffers updated in every
   training forward), a class token and a CLIP-style learnable temperature used directly in ``forward``.
 """
@@ -183,11 +185,12 @@ class SharedBlocks(TokenLM):
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]  # causal mixing, no weights
         shared, once = self.blocks
-        for _ in range(self.REPEAT):
-            x = shared(x)
+        x = shared(x)
+        for _ in range(self.REPEAT - 1):  # HF's gradient checkpointing: the whole block, recomputed in backward
+            x = checkpoint(shared, x, use_reentrant=False)
         # Reentrant checkpointing runs a backward of its own per call: ddp cannot take one parameter
         # through several of those ("marked as ready twice"), so the reentrant block runs once.
-        x = once(x)
+        x = checkpoint(once, x, use_reentrant=True)
         x = self.norm(x[:, 1:])
         # logits against the (untied) embedding table read outside its module, scaled by a temperature
         return F.linear(F.normalize(x, dim=-1), F.normalize(self.embedding.weight, dim=-1)) * self.logit_scale.exp()
