@@ -487,6 +487,7 @@ class ZeroEngine:
             self.states16.step(grads, coef, self._plans)
             return
         for fg, g in zip(self.groups, grads):
+            fg.adopt_param_writes()  # flat_group.py [Note: writes outside the optimizer]
             if coef != 1.0:
                 g.mul_(coef)
             fg.master.grad = g
