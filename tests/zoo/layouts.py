@@ -19,6 +19,9 @@ ZeRO engine can get wrong.
   forward too (nested), ``weight_norm`` and ``spectral_norm`` parametrizations (their
   ``original0``/``original1`` parameters, spectral norm's power-iteration buffers updated in every
   training forward), a class token and a CLIP-style learnable temperature used directly in ``forward``.
+* :class:`ClampedLM` ("clamped"): weights clamped by the user's code after each step (WGAN's weight
+  clipping through ``.data``, CLIP's temperature clamp under ``no_grad``); stages 0-2 only: stage 3
+  refuses a gathered parameter changed in place and has no storage to change in a released one.
 """
 
 from __future__ import annotations
@@ -194,3 +197,44 @@ class SharedBlocks(TokenLM):
         x = self.norm(x[:, 1:])
         # logits against the (untied) embedding table read outside its module, scaled by a temperature
         return F.linear(F.normalize(x, dim=-1), F.normalize(self.embedding.weight, dim=-1)) * self.logit_scale.exp()
+
+
+class ClampedLM(TokenLM):
+    """Weights changed between steps by the user's own code, after ``optimizer.step()`` (manual
+    optimization): WGAN's weight clipping (``p.data.clamp_(-c, c)``, PyTorch's WGAN example) on the
+    blocks, CLIP's temperature clamp (``with torch.no_grad(): logit_scale.clamp_(0, log(100))``,
+    open_clip) on a parameter used directly in ``forward``. ddp's next step starts from the clamped
+    values; ZeRO's masters must too (zero/flat_group.py [Note: writes outside the optimizer])."""
+
+    CLIP = 0.05
+    """WGAN's clipping bound: small enough that the blocks' weights reach it within STEPS steps."""
+    MAX_SCALE = math.log(4.0)
+
+    def __init__(self, d: int = 24) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.embedding = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList([nn.Linear(d, d) for _ in range(2)])
+        self.logit_scale = nn.Parameter(torch.tensor(self.MAX_SCALE + 0.5))  # clamped after the first step
+        self.head = nn.Linear(d, VOCAB)
+
+    def zoo_blocks(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embedding(tokens)
+        for layer in self.layers:
+            x = x + torch.tanh(layer(x))
+        return self.head(x) * self.logit_scale.exp()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = self.record(lm_loss(self(x), y))
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        for p in self.layers.parameters():
+            p.data.clamp_(-self.CLIP, self.CLIP)
+        with torch.no_grad():
+            self.logit_scale.clamp_(0, self.MAX_SCALE)

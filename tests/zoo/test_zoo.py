@@ -42,6 +42,7 @@ STAGES: dict[str, list[str]] = {
     "encoder": ["zero1", "zero2", "zero3", "zero3_offload"],
     "rnn": ["zero1", "zero2", "zero3", "zero3_offload"],
     "shared": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "clamped": ["zero1", "zero2"],  # weights clamped after the step: stages 0-2 only (tests/zoo/layouts.py)
 }
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
 NON_GAN_CASES = [c for c in CASES if c[0] != "gan"]
@@ -190,7 +191,7 @@ def test_gan_losses_match_ddp(zoo: Callable[[str], ZooRuns], spec: str) -> None:
         assert _rel(r_got["d_losses"], r_ref["d_losses"]) < TOL, (rank, "d", r_got["d_losses"], r_ref["d_losses"])
 
 
-VALIDATES = ("resnet", "encoder", "rnn", "shared")
+VALIDATES = ("resnet", "encoder", "rnn", "shared", "clamped")
 """Models with a ``validation_step`` (every VAL_EVERY = 4 steps, 2 batches)."""
 
 
@@ -201,6 +202,17 @@ def test_validation_matches_ddp_on_every_rank(zoo: Callable[[str], ZooRuns], mod
     for rank, (r_got, r_ref) in enumerate(zip(got["per_rank"], ref["per_rank"])):
         assert len(r_ref["val_losses"]) >= 4  # validation ran (every 4 steps, 2 batches)
         assert _rel(r_got["val_losses"], r_ref["val_losses"]) < TOL, (rank, r_got["val_losses"], r_ref["val_losses"])
+
+
+def test_clamped_reference_clamps(zoo: Callable[[str], ZooRuns]) -> None:
+    """The parity of "clamped" means something only if the clamps changed the weights under ddp: the
+    blocks end at WGAN's bound, the temperature (initialised above its bound) below it."""
+    from tests.zoo.layouts import ClampedLM
+
+    ref = _succeeded(zoo("clamped").get("ddp"))["weights"]
+    blocks = [v for k, v in ref.items() if k.startswith("layers.")]
+    assert blocks and all(abs(float(v.abs().max()) - ClampedLM.CLIP) < 1e-6 for v in blocks)
+    assert float(ref["logit_scale"]) <= ClampedLM.MAX_SCALE
 
 
 # ------------------------------------------------------------------ memory
