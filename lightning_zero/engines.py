@@ -129,7 +129,8 @@ class Engines:
     def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> Generator[None, None, None]:
         """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
 
-        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it.
+        Below stage 3 the parameters are full already; ``writeback`` puts changes made inside into the
+        masters. Under stage 3 it is collective: every rank must enter it.
         """
         with ExitStack() as stack:
             for engine in self:
