@@ -8,11 +8,11 @@ ZeRO engine can get wrong.
   (``torch._transformer_encoder_layer_fwd``), which reads every weight of the layer at once; an
   ``nn.Embedding(padding_idx=0)``, whose padding row never gets a gradient; a learned position table
   (an ``nn.Parameter`` added in ``forward``); validation every VAL_EVERY steps.
-* :class:`RecurrentLM` ("rnn"): ``nn.LSTM`` and ``nn.GRU`` layers in an ``nn.ModuleList`` (so under
-  zero3 each is a unit of its own, gathered and released around its forward). RNN modules keep
+* :class:`SharedBlocks` ("shared"): ``nn.LSTM`` and ``nn.GRU`` layers in an ``nn.ModuleList`` (so under
+  zero3 each is a unit of its own, gathered and released around its forward; RNN modules keep
   ``_flat_weights``, a list of references to their parameters, refreshed only when a parameter is
-  re-assigned through ``__setattr__``: a stale list would make the kernel read old or released storage.
-* :class:`SharedBlocks` ("shared"): ALBERT-style weight sharing (one block applied three times per
+  re-assigned through ``__setattr__``: a stale list would make the kernel read old or released
+  storage), then ALBERT-style weight sharing (one block applied three times per
   forward, twice of them wrapped whole in non-reentrant ``torch.utils.checkpoint`` as HF's gradient
   checkpointing does, so under zero3 the unit's forward runs again inside backward; then a second
   block once, wrapped in reentrant checkpointing), ``torch.utils.checkpoint`` inside each block's own
@@ -120,30 +120,6 @@ class TorchEncoder(TokenLM):
         return self.linear(x)
 
 
-class RecurrentLM(TokenLM):
-    """Embedding -> LSTM -> LSTM -> GRU -> GRU -> Linear, each recurrent layer a zero3 unit."""
-
-    def __init__(self, d: int = 24) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, d, padding_idx=PAD)
-        self.rnns = nn.ModuleList([
-            nn.LSTM(d, d, num_layers=2, batch_first=True),
-            nn.LSTM(d, d, batch_first=True, bidirectional=True, proj_size=d // 2),
-            nn.GRU(d, d, batch_first=True),
-            nn.GRU(d, d, batch_first=True),
-        ])
-        self.head = nn.Linear(d, VOCAB)
-
-    def zoo_blocks(self) -> list[nn.Module]:
-        return list(self.rnns)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        x = self.embedding(tokens)
-        for rnn in self.rnns:
-            x, _ = rnn(x)
-        return self.head(x)
-
-
 class SharedBlock(nn.Module):
     """A pre-norm residual MLP block whose MLP runs under activation checkpointing."""
 
@@ -176,15 +152,23 @@ class SharedBlocks(TokenLM):
         self.embedding = nn.Embedding(VOCAB, d)
         self.proj = parametrizations.spectral_norm(nn.Linear(d, d))
         self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.rnns = nn.ModuleList([
+            nn.LSTM(d, d, num_layers=2, batch_first=True),
+            nn.LSTM(d, d, batch_first=True, bidirectional=True, proj_size=d // 2),
+            nn.GRU(d, d, batch_first=True),
+            nn.GRU(d, d, batch_first=True),
+        ])
         self.blocks = nn.ModuleList([SharedBlock(d, reentrant=False), SharedBlock(d, reentrant=True)])
         self.norm = nn.LayerNorm(d)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.5)))
 
     def zoo_blocks(self) -> list[nn.Module]:
-        return list(self.blocks)
+        return [*self.rnns, *self.blocks]
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.proj(self.embedding(tokens))
+        for rnn in self.rnns:  # the bidirectional one sees the future: the loss only has to match ddp's
+            x, _ = rnn(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         x = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]  # causal mixing, no weights
         shared, once = self.blocks
