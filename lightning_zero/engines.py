@@ -129,7 +129,8 @@ class Engines:
     def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> Generator[None, None, None]:
         """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
 
-        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it.
+        Below stage 3 the parameters are full already; ``writeback`` puts changes made inside into the
+        masters. Under stage 3 it is collective: every rank must enter it.
         """
         with ExitStack() as stack:
             for engine in self:
@@ -355,3 +356,31 @@ def check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[i
                         f"optimizer {i} ({type(opt).__name__}). ZeRO keeps one partition and one optimizer state per "
                         "parameter: give every parameter to exactly one optimizer."
                     )
+
+
+def check_supported_layers(module: Module) -> None:
+    """Refuse, before the first step, layers whose weight ZeRO cannot follow:
+
+    * ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True``: every stage reduces gradients through
+      dense flat buffers (the first backward failed with torch's "copy_() between dense and sparse");
+      frozen ones have no gradient and pass;
+    * ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm``: the forward renormalises the rows it looks
+      up in place, on the module's weight; ddp's optimizer steps from those values, ZeRO's steps from
+      its own partitioned masters and writes them back, so stages 1 and 2 silently trained another model
+      (weights off by 4x-9x after 12 steps) and stage 3 failed mid-run at the first release (frozen
+      too: stage 3 partitions frozen weights).
+    """
+    for name, sub in module.named_modules():
+        if not isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            continue
+        if sub.sparse and sub.weight.requires_grad:
+            raise ValueError(
+                f"'{name}' ({type(sub).__name__}) has sparse=True: ZeRO partitions dense gradients only, so "
+                "build it with sparse=False (the default; ddp gives it the same update) or freeze it."
+            )
+        if sub.max_norm is not None:
+            raise ValueError(
+                f"'{name}' ({type(sub).__name__}) has max_norm={sub.max_norm}: it renormalises its weight in place "
+                "during forward, which ZeRO's partitioned optimizer state (stage 3: its partitioned weight) would "
+                "overwrite, so build it without max_norm."
+            )

@@ -176,7 +176,8 @@ class ZeroStrategy(ParallelStrategy):
 
     def gathered_params(self, module: Optional[torch.nn.Module] = None, writeback: bool = False) -> AbstractContextManager[None]:
         """Full parameters of ``module`` (default: all) inside the block, e.g. for generation or export.
-        A no-op below stage 3. Under stage 3 it is collective: every rank must enter it."""
+        Below stage 3 the parameters are full already; ``writeback`` puts changes made inside into the
+        masters. Under stage 3 it is collective: every rank must enter it."""
         return self._zero.gathered_params(module, writeback)
 
     def _engine_of(self, optimizer: Any) -> Optional[ZeroEngine]:

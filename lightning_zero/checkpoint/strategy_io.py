@@ -213,6 +213,8 @@ class StrategyCheckpoints:
             return
         if storage_options is not None:
             raise TypeError("storage_options is not supported by sharded checkpoints (checkpoint_format='sharded').")
+        for engine in self.engines:  # zero/flat_group.py [Note: writes outside the optimizer]
+            zsd.adopt_param_writes(engine)
         self.checkpointer.save(self.rank_view(), checkpoint, filepath, self.host_state, self.sharded_info(checkpoint))
 
     def write_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any]) -> None:

@@ -9,7 +9,10 @@ step]).
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
+
+from torch.nn import Module
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.offload.engine import OffloadMixin
@@ -27,6 +30,18 @@ class FlatOffloadMixin(OffloadMixin):
     # ranks may split their partitions differently (offload_ratio='auto' decides per rank), so
     # buckets are launched strictly in bucket order: a ready bucket waits for every bucket before it,
     # and the device share's buckets (stepped last, device_share.py) are launched by ``_write_back``.
+
+    @contextmanager
+    def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> Generator[None, None, None]:
+        """Refuses ``writeback``: the masters live in host memory (or on NVMe), stepped by the CPU step
+        policy, and nothing copies parameter changes there yet (zero/flat_group.py [Note: writes outside
+        the optimizer]); the 16-bit parameters are full already."""
+        if writeback:
+            raise RuntimeError(
+                "gathered_params(writeback=True) cannot write parameter changes into the host-memory masters of "
+                "offload_optimizer at stages 1-2 yet; change the parameters without offload, or at stage 3."
+            )
+        yield
 
     def _setup_offload(self) -> None:
         super()._setup_offload()

@@ -491,6 +491,7 @@ class ZeroEngine:
             self.states16.step(grads, coef, self._plans)
             return
         for fg, g in zip(self.groups, grads):
+            fg.adopt_param_writes()  # flat_group.py [Note: writes outside the optimizer]
             if coef != 1.0:
                 g.mul_(coef)
             fg.master.grad = g
@@ -559,8 +560,11 @@ class ZeroEngine:
 
     @contextmanager
     def gathered_params(self, module: Optional["Module"] = None, writeback: bool = False) -> Generator[None, None, None]:
-        """Full parameters inside the block: below stage 3 they always are."""
+        """Full parameters inside the block: below stage 3 they always are. ``writeback``: what changed
+        inside reaches the masters now (flat_group.py [Note: writes outside the optimizer])."""
         yield
+        for fg in self.groups if writeback and self.states16 is None else []:
+            fg.adopt_param_writes()
 
     def install_module_hooks(self) -> None:
         """Validate/test/predict after fit: forward hooks back on (stage 3 gathers unit by unit)."""

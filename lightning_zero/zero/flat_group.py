@@ -39,6 +39,10 @@ class ShardViews:
     _grad_written: set[int]
     """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
 
+    def adopt_param_writes(self) -> None:
+        """Stage 3 keeps no full copy between steps: a gathered unit changed in place is refused at its
+        release (stage3.py ``_check_unmodified``). Stages 0-2: :meth:`FlatParamGroup.adopt_param_writes`."""
+
     def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
         """Parameter ``slot_index``'s piece of a flat buffer that starts at flat offset ``base``."""
         slot = self.layout.slots[slot_index]
@@ -137,6 +141,28 @@ class FlatParamGroup(ShardViews):
     def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:
         b = self.layout.buckets[bucket_index]
         return buffer[b.start : b.end]
+
+    def adopt_param_writes(self) -> None:
+        """[Note: writes outside the optimizer] The model's parameters are views of ``flat_param``; the
+        optimizer steps ``master`` and the write-back overwrites ``flat_param`` from it. Code that
+        changes a parameter between two steps (WGAN weight clipping ``p.data.clamp_()``, CLIP's
+        ``logit_scale.clamp_()``, any ``torch.no_grad()`` edit) changed only the view, so the next
+        write-back silently undid it, where ddp's optimizer steps from the changed value. Before each
+        step every rank copies the changes in its own chunks into its master (every rank made the same
+        change, as under ddp): fp32 compute copies the chunk (equal elements stay equal); 16-bit
+        compute takes only elements that differ from the rounded master, so untouched elements keep
+        their fp32 bits. One pass over this rank's shard, no host sync. ``.data`` edits leave no
+        version-counter trace, hence the comparison rather than a check of ``_version``."""
+        if self.shares_master:  # the parameters are the master
+            return
+        shard = self.shard if self.layout.num_shards > 1 else 0
+        for bi, b in enumerate(self.layout.buckets):
+            lo, hi = b.chunk_range(shard)
+            live, master = self.flat_param[lo:hi], self.master_chunk(bi)
+            if live.dtype == master.dtype:
+                master.copy_(live)
+            else:
+                torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)
 
     # --- gradient storage -----------------------------------------------------------------------
     def attach_full_grad(self, dtype: torch.dtype) -> None:

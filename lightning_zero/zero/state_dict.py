@@ -79,12 +79,23 @@ def _weight_groups(engine: ZeroEngine) -> list:
     return list(getattr(engine, "all_groups", engine.groups))
 
 
+def adopt_param_writes(engine: ZeroEngine) -> None:
+    """Before the masters are read for a checkpoint or an export: parameter changes made since the last
+    step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them.
+    Engines that step elsewhere (offload, a step ahead of the parameters under the delayed update)
+    or keep 16-bit device states do not take them at their step either, so not here."""
+    if getattr(engine, "offload", None) is None and engine.states16 is None:
+        for fg in engine.groups:
+            fg.adopt_param_writes()
+
+
 @_in_host_state
 def full_master_params(engine: ZeroEngine) -> dict[int, Tensor]:
     """Full value of every parameter the engine holds (fp32 masters; stage 3's frozen partitions in
     their compute dtype), keyed by ``id(param)`` (collective). A DTensor parameter's value is its local
     TP shard's (checkpoint/tp_full.py makes it full)."""
     out: dict[int, Tensor] = {}
+    adopt_param_writes(engine)
     for fg in _weight_groups(engine):
         full = gather_flat(engine, fg, fg.master)
         for slot in fg.layout.slots:

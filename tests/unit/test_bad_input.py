@@ -77,3 +77,34 @@ def test_single_process_trains(stage: int) -> None:
     assert model.blocks[0].up.weight.dtype == torch.bfloat16
     assert not torch.equal(model.blocks[0].up.weight.float(), before)
     assert trainer.strategy.grad_norm is not None and trainer.strategy.grad_norm > 0
+
+
+class EmbeddingNet(ParityNet):
+    """An embedding beside the dense parameters, built with ``embedding_kwargs``."""
+
+    def __init__(self, **embedding_kwargs) -> None:
+        super().__init__(checkpointing=False)
+        self.tokens = torch.nn.Embedding(8, self.blocks[0].up.in_features, **embedding_kwargs)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("kwargs,says", [
+    ({"sparse": True}, "has sparse=True: ZeRO partitions dense gradients"),
+    ({"max_norm": 1.0}, "has max_norm=1.0: it renormalises its weight in place"),
+])
+def test_embedding_zero_cannot_follow_is_refused_up_front(stage: int, kwargs: dict, says: str) -> None:
+    """Before the first step: sparse gradients failed in the first backward with torch's copy_() error
+    naming no module; max_norm's in-place renormalisation was silently undone at stages 1 and 2."""
+    trainer = _trainer(ZeroStrategy(stage=stage))
+    with pytest.raises(ValueError, match=rf"^'tokens' \(Embedding\) {says}"):
+        trainer.fit(EmbeddingNet(**kwargs))
+    assert trainer.global_step == 0
+
+
+def test_frozen_sparse_embedding_is_accepted() -> None:
+    """No gradient, nothing to reduce: a frozen sparse embedding trains as under ddp."""
+    model = EmbeddingNet(sparse=True)
+    model.tokens.requires_grad_(False)
+    trainer = _trainer(ZeroStrategy(stage=2))
+    trainer.fit(model)
+    assert trainer.global_step == 2

@@ -7,7 +7,8 @@ Acceptance checks, per model and stage (tests/zoo/models.py has the registry, on
   within 1e-4 of ddp's on every rank (the GAN's: rank 0 only, see the buffer test);
 * the GAN (two optimizers, manual optimization, toggle_optimizer): generator and discriminator
   losses within 1e-4 of ddp;
-* ResNet: validation losses (eval mode, running statistics) within 1e-4 of ddp's on every rank;
+* ResNet and the layouts of tests/zoo/layouts.py: validation losses (eval mode: running statistics,
+  nn.TransformerEncoder's fused fast path) within 1e-4 of ddp's on every rank;
 * memory, counted from tensor storage per rank: under zero3 the parameter bytes held while any block's
   forward runs are at most 0.75x the whole model's (nanoGPT, the Sequential ViT, Llama-LoRA), and
   Llama-LoRA's frozen base takes at most 0.6x of ddp's bytes per rank.
@@ -38,6 +39,9 @@ STAGES: dict[str, list[str]] = {
     "vit": ["zero1", "zero2", "zero3"],
     "resnet": ["zero1", "zero2", "zero3"],
     "gan": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
+    "encoder": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "shared": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "clamped": ["zero1", "zero2"],  # weights clamped after the step: stages 0-2 only (tests/zoo/layouts.py)
 }
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
 NON_GAN_CASES = [c for c in CASES if c[0] != "gan"]
@@ -45,7 +49,7 @@ DETERMINISM = ("resnet", "gan")
 """Models whose ddp reference also runs a second time, to show the reference itself is deterministic
 (BatchNorm buffer broadcasts, two optimizers, random noise)."""
 BLOCK_MODELS = ("nanogpt", "vit", "llama_lora")
-LEARNS = ("nanogpt", "gpt2", "t5")
+LEARNS = ("nanogpt", "gpt2", "t5", "encoder")
 """Models whose data has structure they pick up within STEPS steps (the others fit random labels,
 learn masked tokens slowly, train adapters on a frozen random base, or play a GAN game)."""
 TOL = 1e-4
@@ -186,13 +190,28 @@ def test_gan_losses_match_ddp(zoo: Callable[[str], ZooRuns], spec: str) -> None:
         assert _rel(r_got["d_losses"], r_ref["d_losses"]) < TOL, (rank, "d", r_got["d_losses"], r_ref["d_losses"])
 
 
-@pytest.mark.parametrize("spec", STAGES["resnet"])
-def test_resnet_validation_matches_ddp_on_every_rank(zoo: Callable[[str], ZooRuns], spec: str) -> None:
-    runs = zoo("resnet")
+VALIDATES = ("resnet", "encoder", "shared", "clamped")
+"""Models with a ``validation_step`` (every VAL_EVERY = 4 steps, 2 batches)."""
+
+
+@pytest.mark.parametrize("model,spec", [(m, s) for m in VALIDATES for s in STAGES[m]])
+def test_validation_matches_ddp_on_every_rank(zoo: Callable[[str], ZooRuns], model: str, spec: str) -> None:
+    runs = zoo(model)
     ref, got = _succeeded(runs.get("ddp")), _succeeded(runs.get(spec))
     for rank, (r_got, r_ref) in enumerate(zip(got["per_rank"], ref["per_rank"])):
         assert len(r_ref["val_losses"]) >= 4  # validation ran (every 4 steps, 2 batches)
         assert _rel(r_got["val_losses"], r_ref["val_losses"]) < TOL, (rank, r_got["val_losses"], r_ref["val_losses"])
+
+
+def test_clamped_reference_clamps(zoo: Callable[[str], ZooRuns]) -> None:
+    """The parity of "clamped" means something only if the clamps changed the weights under ddp: the
+    blocks end at WGAN's bound, the temperature (initialised above its bound) below it."""
+    from tests.zoo.layouts import ClampedLM
+
+    ref = _succeeded(zoo("clamped").get("ddp"))["weights"]
+    blocks = [v for k, v in ref.items() if k.startswith("layers.")]
+    assert blocks and all(abs(float(v.abs().max()) - ClampedLM.CLIP) < 1e-6 for v in blocks)
+    assert float(ref["logit_scale"]) <= ClampedLM.MAX_SCALE
 
 
 # ------------------------------------------------------------------ memory

@@ -1,0 +1,54 @@
+"""Weights changed by the user's code between steps reach the masters at stages 0-2 (zero/flat_group.py
+[Note: writes outside the optimizer]): through ``gathered_params(writeback=True)`` at once, and any
+change before the next step or the next state dict. One process, bf16-mixed, so the masters (fp32) are
+not the model's parameters. The two-rank parity with ddp is the zoo's "clamped" model."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_zero import ZeroStrategy
+from tests.helpers.parity_model import ParityNet
+
+
+class EditAfterFirstStep(pl.Callback):
+    """Sets one weight to 0.25 after the first step (WGAN-style, through ``.data``), then reads the state dict."""
+
+    def __init__(self, writeback: bool) -> None:
+        self.writeback = writeback
+        self.state: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: ParityNet, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != 1:
+            return
+        block = pl_module.blocks[0]
+        with trainer.strategy.gathered_params(block, writeback=True) if self.writeback else nullcontext():
+            block.up.weight.data.fill_(0.25)
+        self.state = trainer.strategy.full_state_dict()
+
+
+def _fit(strategy: ZeroStrategy, callback: pl.Callback) -> None:
+    Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, limit_val_batches=0, callbacks=[callback]).fit(ParityNet(checkpointing=False))
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_weight_changed_between_steps_reaches_the_masters(stage: int, writeback: bool) -> None:
+    cb = EditAfterFirstStep(writeback)
+    _fit(ZeroStrategy(stage=stage), cb)
+    weight = cb.state["blocks.0.up.weight"]
+    assert weight.dtype == torch.float32 and torch.all(weight == 0.25)
+    assert not torch.all(cb.state["blocks.1.up.weight"] == 0.25)  # only what was changed
+
+
+def test_offload_refuses_writeback_at_stage_2() -> None:
+    with pytest.raises(RuntimeError, match=r"gathered_params\(writeback=True\) cannot write .* host-memory masters"):
+        _fit(ZeroStrategy(stage=2, offload_optimizer="cpu"), EditAfterFirstStep(writeback=True))
