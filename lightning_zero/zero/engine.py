@@ -15,24 +15,23 @@ What happens, in order, for one optimizer step (stage files override only the ma
    (``_write_back``, per stage).
 
 [Note: launch in bucket order]
-Collectives must be issued in the same order on every rank. Hooks fire in an order that depends
-on the data (a parameter unused on one rank never fires there), so a bucket is launched only once
-it and every bucket before it are ready; whatever is left is launched by ``post_backward``. Ranks
-may therefore disagree on *when* a bucket goes, never on the order, which is why parameters without
-a gradient in a step need no ``find_unused_parameters`` flag. A rank that did not use a parameter
-contributes zeros to its average, as under ddp; a parameter no rank used is not stepped at all, as
-torch's optimizers leave a ``grad=None`` parameter (unused.py [Note: parameters unused on every rank]).
+Collectives must be issued in the same order on every rank. Hooks fire in an order that depends on the data (a
+parameter unused on one rank never fires there), so a bucket is launched only once it and every bucket before it are
+ready; whatever is left is launched by ``post_backward``. Ranks may therefore disagree on *when* a bucket goes,
+never on the order, which is why parameters without a gradient in a step need no ``find_unused_parameters`` flag. A
+rank that did not use a parameter contributes zeros to its average, as under ddp; a parameter no rank used is not
+stepped at all, as torch's optimizers leave a ``grad=None`` parameter (unused.py [Note: parameters unused on every
+rank]).
 
 [Note: the optimizer keeps the model's parameters]
-The user's ``optimizer.param_groups`` keep listing the model's own parameters: Lightning's
-``toggle_optimizer`` flips ``requires_grad`` through them (a GAN's discriminator must not step with
-the generator's gradients), schedulers and LR finders edit their hyper-parameters, users read them.
-Only for the duration of ``optimizer.step()`` does each group list the flat master instead
-(:meth:`ZeroEngine.masters_in_optimizer`), so ``optimizer.state`` is keyed by the masters. The
-optimizer's ``zero_grad`` is replaced by :meth:`ZeroEngine.zero_grad`, which discards what the engine
-has accumulated (stage 1-3 gradients live in shards, not in ``param.grad``). The parameter lists are
-checked before every step: a group added, or a parameter unfrozen, after setup is an error, not a
-parameter silently left unstepped.
+The user's ``optimizer.param_groups`` keep listing the model's own parameters: Lightning's ``toggle_optimizer``
+flips ``requires_grad`` through them (a GAN's discriminator must not step with the generator's gradients),
+schedulers and LR finders edit their hyper-parameters, users read them. Only for the duration of
+``optimizer.step()`` does each group list the flat master instead (:meth:`ZeroEngine.masters_in_optimizer`), so
+``optimizer.state`` is keyed by the masters. The optimizer's ``zero_grad`` is replaced by
+:meth:`ZeroEngine.zero_grad`, which discards what the engine has accumulated (stage 1-3 gradients live in shards,
+not in ``param.grad``). The parameter lists are checked before every step: a group added, or a parameter unfrozen,
+after setup is an error, not a parameter silently left unstepped.
 """
 
 from __future__ import annotations
@@ -314,8 +313,7 @@ class ZeroEngine:
     # ---------------------------------------------------------------- the user's optimizer
     @contextmanager
     def masters_in_optimizer(self) -> Generator[None, None, None]:
-        """Each param group lists its flat master while the block runs (see [Note: the optimizer
-        keeps the model's parameters])."""
+        """Each param group lists its flat master while the block runs ([Note: the optimizer keeps ...])."""
         groups = self.optimizer.param_groups
         saved = [pg["params"] for pg in groups]
         for pi, pg in enumerate(groups):
@@ -422,15 +420,14 @@ class ZeroEngine:
         self._grad_norm = value
 
     # [Note: non-finite steps]
-    # A NaN or infinite gradient anywhere makes the global norm non-finite on every rank alike (it is
-    # all-reduced), so the norm the step computes anyway is the check: no extra pass, no collective.
-    # Deciding needs its value on the host before the optimizer runs, the one synchronisation fp16's
-    # overflow check (and clipping) already made; ``check_finite`` asks for it at every precision.
-    # A skipped step touches nothing: the optimizer is not called (no moment update, no step count,
-    # no weight decay), the masters and 16-bit weights are not written, the gradients are dropped. Only
-    # then, on that rare path, is the first non-finite gradient looked for (``nonfinite_where``, this
-    # rank's shard only: engines.py gathers the ranks' findings to name it). The policy (skip, error,
-    # ignore; how many skips in a row) is engines.py's ``Engines.step``.
+    # A NaN or infinite gradient anywhere makes the global norm non-finite on every rank alike (it is all-reduced),
+    # so the norm the step computes anyway is the check: no extra pass, no collective. Deciding needs its value on
+    # the host before the optimizer runs, the one synchronisation fp16's overflow check (and clipping) already made;
+    # ``check_finite`` asks for it at every precision. A skipped step touches nothing: the optimizer is not called
+    # (no moment update, no step count, no weight decay), the masters and 16-bit weights are not written, the
+    # gradients are dropped. Only then, on that rare path, is the first non-finite gradient looked for
+    # (``nonfinite_where``, this rank's shard only: engines.py gathers the ranks' findings to name it). The policy
+    # (skip, error, ignore; how many skips in a row) is engines.py's ``Engines.step``.
     def step(self, clip_val: Optional[float] = None, scaler: Optional[DynamicLossScaler] = None,
              check_finite: bool = False, clip_value: Optional[float] = None) -> bool:
         """Unscale, clip by the global norm (``clip_val``) or each element (``clip_value``), step the master
@@ -560,8 +557,7 @@ class ZeroEngine:
 
     @contextmanager
     def gathered_params(self, module: Optional["Module"] = None, writeback: bool = False) -> Generator[None, None, None]:
-        """Full parameters inside the block: below stage 3 they always are. ``writeback``: what changed
-        inside reaches the masters now (flat_group.py [Note: writes outside the optimizer])."""
+        """Full parameters inside (below stage 3 they always are); ``writeback``: changes reach the masters now."""
         yield
         for fg in self.groups if writeback and self.states16 is None else []:
             fg.adopt_param_writes()
