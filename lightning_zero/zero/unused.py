@@ -23,8 +23,9 @@ the host). Then, per flat group:
   A parameter that once missed a step keeps a lower count from then on, so such a group stays on this
   path (a few views per step) for the rest of the run.
 
-The per-parameter lag is engine state, not saved in checkpoints: the flat state's ``step`` is the
-group's count (the most-stepped parameter's). Optimizers whose update couples elements of a tensor
+The per-parameter lag is engine state; the flat state's ``step`` is the group's count (the most-stepped
+parameter's), and checkpoints carry each parameter's own count, as torch's do (state_dict.py [Note:
+per-parameter step counts in checkpoints]). Optimizers whose update couples elements of a tensor
 (LAMB's trust ratio) or that exchange compressed momentum (1-bit) cannot step a subset, and stop with
 one clear line the first time a parameter goes unused on every rank.
 """
@@ -81,6 +82,13 @@ class UsedParams:
 
     def mark(self, gi: int, index: int) -> None:
         self.used[gi][index] = 1
+
+    def restore_lags(self, gi: int, lags: list[int]) -> None:
+        """A checkpoint gave group ``gi``'s parameters these lags behind its count (state_dict.py [Note:
+        per-parameter step counts in checkpoints]); the count is read again from the loaded flat state."""
+        self.lag[gi] = list(lags)
+        self.lagging[gi] = any(lags)
+        self.steps[gi] = None
 
     def reset(self) -> None:
         for u in self.used:
