@@ -7,7 +7,8 @@ side layer on even steps only). The param groups are nanoGPT's: weights with wei
 LayerNorm without, the second with its own lr (and betas/eps/momentum where the optimizer has them), so a
 scheduler or option that edits one group's fields is seen. Rank 0 saves ``OUT/<case>__<kind>.pt``: per-step
 losses, final weights, the optimizer state after the run and the error text of a run that refused.
-``resume``: the run stops after ``steps // 2`` steps (checkpoint), a fresh Trainer resumes to ``steps``.
+``resume``: the run stops after ``steps // 2`` steps (checkpoint, ``ckpt``: sharded or full; ``first``: taken by
+another kind, e.g. ddp), a fresh Trainer resumes to ``steps``. ``late``: the side layer is first used after that.
 """
 
 from __future__ import annotations
@@ -98,8 +99,10 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer, int], dict]] = {
 class OptNet(pl.LightningModule):
     """Four blocks, a LayerNorm, a side layer and a head; ``skip`` adds the data-dependent control flow."""
 
-    def __init__(self, opt: str, sched: str, skip: bool, steps: int, rank_skip: bool = False) -> None:
+    def __init__(self, opt: str, sched: str, skip: bool, steps: int, rank_skip: bool = False,
+                 late: bool = False) -> None:
         super().__init__()
+        self.late = late
         self.opt, self.sched, self.skip, self.steps, self.rank_skip = opt, sched, skip, steps, rank_skip
         self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
         self.norm = nn.LayerNorm(8)
@@ -116,7 +119,7 @@ class OptNet(pl.LightningModule):
                 continue
             x = torch.tanh(block(x))
         x = self.norm(x)
-        if not self.skip or step % 2 == 0:
+        if (not self.skip or step % 2 == 0) and not (self.late and step < 5):
             x = x + torch.tanh(self.side(x))
         loss = ((self.head(x) - y) ** 2).mean()
         self.losses.append(float(loss))
@@ -155,14 +158,15 @@ def _trainer(kind: str, steps: int, ckpt: str = "sharded") -> pl.Trainer:
 
 def run_case(case: str, kind: str, opts: dict[str, Any], out: str) -> None:
     steps = int(opts.get("steps", 8))
-    args = (opts.get("opt", "adamw"), opts.get("sched", ""), bool(opts.get("skip", False)), steps, bool(opts.get("rank_skip", False)))
+    args = (opts.get("opt", "adamw"), opts.get("sched", ""), bool(opts.get("skip", False)), steps, bool(opts.get("rank_skip", False)),
+            bool(opts.get("late", False)))
     pl.seed_everything(0)
     model = OptNet(*args)
     result: dict[str, Any] = {"error": ""}
     try:
         if opts.get("resume"):
             half = steps // 2
-            trainer = _trainer(kind, half, opts.get("ckpt", "sharded"))
+            trainer = _trainer(opts.get("first", kind), half, opts.get("ckpt", "sharded"))
             trainer.fit(model)
             path = os.path.join(out, f"{case}__{kind}.ckpt")
             trainer.save_checkpoint(path)
