@@ -9,6 +9,7 @@ scheduler or option that edits one group's fields is seen. Rank 0 saves ``OUT/<c
 losses, final weights, the optimizer state after the run and the error text of a run that refused.
 ``resume``: the run stops after ``steps // 2`` steps (checkpoint, ``ckpt``: sharded or full; ``first``: taken by
 another kind, e.g. ddp), a fresh Trainer resumes to ``steps``. ``late``: the side layer is first used after that.
+``keep_grads``: the module's ``optimizer_zero_grad`` calls ``zero_grad(set_to_none=False)``.
 """
 
 from __future__ import annotations
@@ -100,9 +101,10 @@ class OptNet(pl.LightningModule):
     """Four blocks, a LayerNorm, a side layer and a head; ``skip`` adds the data-dependent control flow."""
 
     def __init__(self, opt: str, sched: str, skip: bool, steps: int, rank_skip: bool = False,
-                 late: bool = False) -> None:
+                 late: bool = False, keep_grads: bool = False) -> None:
         super().__init__()
         self.late = late
+        self.keep_grads = keep_grads
         self.opt, self.sched, self.skip, self.steps, self.rank_skip = opt, sched, skip, steps, rank_skip
         self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(4)])
         self.norm = nn.LayerNorm(8)
@@ -125,6 +127,9 @@ class OptNet(pl.LightningModule):
         self.losses.append(float(loss))
         self.log("train_loss", loss, sync_dist=not self.skip)  # zero3: see the test module docstring
         return loss
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=not self.keep_grads)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(torch.zeros(64, 1), batch_size=1)
@@ -159,7 +164,7 @@ def _trainer(kind: str, steps: int, ckpt: str = "sharded") -> pl.Trainer:
 def run_case(case: str, kind: str, opts: dict[str, Any], out: str) -> None:
     steps = int(opts.get("steps", 8))
     args = (opts.get("opt", "adamw"), opts.get("sched", ""), bool(opts.get("skip", False)), steps, bool(opts.get("rank_skip", False)),
-            bool(opts.get("late", False)))
+            bool(opts.get("late", False)), bool(opts.get("keep_grads", False)))
     pl.seed_everything(0)
     model = OptNet(*args)
     result: dict[str, Any] = {"error": ""}

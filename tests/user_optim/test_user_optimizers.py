@@ -8,7 +8,9 @@ with their own lr/betas/eps/momentum, schedulers that edit ``betas``/``momentum`
 CyclicLR), one LambdaLR per group, parameters that get no gradient on some steps (on every rank, or on one rank
 only) and a resume from a checkpoint (ours, sharded or full, or ddp's) taken while a parameter lagged its
 group's step count or had never been stepped (zero/state_dict.py [Note: per-parameter step counts in
-checkpoints]: without it the resumed runs missed ddp's by 3e-3 in the loss). What cannot step a subset of a flat group is refused with
+checkpoints]: without it the resumed runs missed ddp's by 3e-3 in the loss), and ``zero_grad(set_to_none=False)``,
+under which torch steps every parameter used once with zero gradients ever after (zero/unused.py [Note:
+zero_grad(set_to_none=False)]: without it the losses missed ddp's by 0.13 with AdamW, 0.41 with SGD). What cannot step a subset of a flat group is refused with
 one sentence. A unit skipped on one rank under ZeRO-3 is tests/distributed/test_skipped_units.py's.
 """
 
@@ -34,6 +36,8 @@ CASES: dict[str, dict] = {
                           "kinds": ["ddp", "zero2"]},
     "resume_from_ddp": {"opt": "adamw", "skip": True, "late": True, "resume": True, "ckpt": "full", "first": "ddp",
                         "kinds": ["ddp", "zero1", "zero3_offload"]},
+    "zero_grad_keep_sgd": {"opt": "sgd", "skip": True, "keep_grads": True},
+    "zero_grad_keep_resume": {"opt": "adamw", "skip": True, "late": True, "keep_grads": True, "resume": True},
     "nadam_skip": {"opt": "nadam_decoupled", "skip": True, "steps": 2},
 }
 REFUSED = {"nadam_skip": "NAdam keeps a per-tensor state 'mu_product': it cannot step a subset of a flat group"}
