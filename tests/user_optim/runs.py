@@ -56,6 +56,7 @@ OPTIMIZERS: dict[str, Callable[[Groups], torch.optim.Optimizer]] = {
     "adamw_capturable": _adam_like(torch.optim.AdamW, capturable=True),
     "adamw_differentiable": _adam_like(torch.optim.AdamW, differentiable=True),
     "adam_l2": _adam_like(torch.optim.Adam),
+    "adam_decoupled": _adam_like(torch.optim.Adam, decoupled_weight_decay=True),
     "adam_amsgrad_foreach": _adam_like(torch.optim.Adam, amsgrad=True, foreach=True),
     "sgd": _sgd(momentum=0.9),
     "sgd_nesterov": _sgd(momentum=0.9, nesterov=True),

@@ -38,9 +38,12 @@ CASES: dict[str, dict] = {
                         "kinds": ["ddp", "zero1", "zero3_offload"]},
     "zero_grad_keep_sgd": {"opt": "sgd", "skip": True, "keep_grads": True},
     "zero_grad_keep_resume": {"opt": "adamw", "skip": True, "late": True, "keep_grads": True, "resume": True},
+    "onecycle_adam_decoupled": {"opt": "adam_decoupled", "sched": "onecycle", "skip": True},
     "nadam_skip": {"opt": "nadam_decoupled", "skip": True, "steps": 2},
+    "sgd_dampening_skip": {"opt": "sgd_dampening", "skip": True, "steps": 2},
 }
-REFUSED = {"nadam_skip": "NAdam keeps a per-tensor state 'mu_product': it cannot step a subset of a flat group"}
+REFUSED = {"nadam_skip": "NAdam keeps a per-tensor state 'mu_product': it cannot step a subset of a flat group",
+           "sgd_dampening_skip": "SGD with momentum and dampening starts a parameter's momentum from its first"}
 STEPS = 8
 
 
