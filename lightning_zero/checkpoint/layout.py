@@ -231,8 +231,10 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
         "flat": [],
         "scalar": [],
     } for pi, pg in enumerate(opt.param_groups)]
-    for fg, pi in zip(engine.groups, engine.pg_of):
+    for gi, (fg, pi) in enumerate(zip(engine.groups, engine.pg_of)):
         st = opt.state.get(fg.master, {})
+        lag = engine.used.lag[gi] if engine.used.lagging[gi] else None  # zero/state_dict.py [Note: per-parameter
+        # step counts in checkpoints]
         flat_keys = sorted(key for key, v in st.items() if _is_flat_state(v, fg))
         scalar_keys = sorted(key for key in st if key not in flat_keys)
         rec = records[pi]
@@ -251,6 +253,8 @@ def optimizer_entries(view: RankView, k: int) -> tuple[dict[str, Any], list[dict
             if any(start == 0 for start, _, _ in pieces):  # the owner of the first element writes the scalars
                 for key in scalar_keys:
                     value = st[key]
+                    if key == "step" and lag is not None:
+                        value = value - lag[slot.index]
                     out[f"{prefix}state.{pname}.{key}"] = value.detach() if torch.is_tensor(value) else value
     comm = local_comm_state(opt)
     if comm is not None:

@@ -489,6 +489,7 @@ class ShardedCheckpointer:
         opt.state.clear()
         new_states: dict[int, dict[str, Any]] = {}
         scalar_keys: dict[int, dict[str, str]] = {}
+        step_keys: dict[int, list[tuple[int, str]]] = {}  # gi -> (parameter index, its 'step' key)
         for gi, fg, p, name, pieces in L.iter_group_slots(view, k):
             rec = records[engine.pg_of[gi]]  # a param group's flat groups share its record (layout.py)
             if not rec["flat"] and not rec["scalar"]:
@@ -506,6 +507,12 @@ class ShardedCheckpointer:
                     state[skey] = _as_stored(piece, md, skey, path, f"optimizer {k} state '{key}' of '{name}'")
             for key in rec["scalar"]:
                 skey = f"{prefix}state.{name}.{key}"
+                if skey in md.state_dict_metadata and key == "step":  # every parameter's own count: zero/
+                    # state_dict.py [Note: per-parameter step counts in checkpoints]
+                    index = next(i for i, q in enumerate(fg.params) if q is p)
+                    step_keys.setdefault(gi, []).append((index, skey))
+                    if skey not in state:
+                        state[skey] = _scalar_destination(md.state_dict_metadata[skey])
                 if key in scalar_keys.setdefault(gi, {}) or skey not in md.state_dict_metadata:
                     continue
                 smd = md.state_dict_metadata[skey]
@@ -526,12 +533,31 @@ class ShardedCheckpointer:
             for gi, st in new_states.items():
                 for key, skey in scalar_keys.get(gi, {}).items():
                     st[key] = loaded[skey]
+                _restore_steps(engine, gi, st, [(i, loaded[skey]) for i, skey in step_keys.get(gi, [])])
                 opt.state[engine.groups[gi].master] = st
             engine.after_state_load()  # 16-bit states <-> fp32 (zero/states16.py)
             with engine.masters_in_optimizer():  # 1-bit optimizers index their state by the groups' tensors
                 restore_comm_state(opt, {COMM_STATE_KEY: loaded[comm_key]} if comm_key else {})
 
         return install
+
+
+def _scalar_destination(smd: Any) -> Any:
+    if isinstance(smd, TensorStorageMetadata):
+        return torch.empty(smd.size, dtype=smd.properties.dtype)
+    assert isinstance(smd, BytesStorageMetadata)
+    return None
+
+
+def _restore_steps(engine: Any, gi: int, st: dict[str, Any], steps: list[tuple[int, Any]]) -> None:
+    """The flat group's ``step`` is its parameters' largest, each parameter lags it by the difference
+    (zero/state_dict.py [Note: per-parameter step counts in checkpoints])."""
+    counts = {i: float(v) for i, v in steps}
+    count = max(counts.values(), default=0.0)
+    if counts and "step" in st:
+        st["step"] = torch.full_like(st["step"], count) if torch.is_tensor(st["step"]) else type(st["step"])(count)
+    n = len(engine.groups[gi].params)
+    engine.used.restore_lags(gi, [int(count - counts.get(i, 0.0)) if counts else 0 for i in range(n)])
 
 
 @contextmanager

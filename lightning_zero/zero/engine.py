@@ -349,8 +349,10 @@ class ZeroEngine:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Installed as the optimizer's ``zero_grad``: discard the gradients this engine accumulated
-        (they live in its buffers and shards), and clear ``.grad`` of parameters it does not manage."""
+        (they live in its buffers and shards), and clear ``.grad`` of parameters it does not manage; ``set_to_none=False``
+        keeps what was used stepping, as torch does (unused.py [Note: zero_grad(set_to_none=False)])."""
         self._zero_grads()
+        self.used.keep_grads(not set_to_none)
         for pg in self.optimizer.param_groups:
             for p in pg["params"]:
                 if id(p) in self._managed or p.grad is None:

@@ -6,6 +6,14 @@ name, and the optimizer state in torch's per-parameter format. Saving gathers th
 rank takes part; rank 0 writes), loading slices each rank's shard out again. So a checkpoint from
 ``zero2`` on 4 ranks resumes on 2 ranks or under ``ddp``, and ``load_from_checkpoint`` or a plain
 ``load_state_dict`` reads it (the peers' sharded directories can do neither without a converter).
+
+[Note: per-parameter step counts in checkpoints]
+torch counts ``step`` per parameter; a flat group keeps one count, and the engine remembers how far each
+parameter lags it (a parameter that got no gradient on any rank in some step: zero/unused.py). Saving
+writes each parameter's own count (the group's minus its lag), loading takes the largest as the group's
+count and gives the others their lag back (a parameter with no saved state lags by the whole count, as a
+parameter torch never stepped has no state). Without it a resumed run bias-corrected a lagging
+parameter's Adam moments with the group's count, unlike ddp's resumed run.
 """
 
 from __future__ import annotations
@@ -166,8 +174,11 @@ def gather_optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
                     piece = full[slot.offset : slot.offset + slot.numel].view(local_tensor(p).shape).detach().clone()
                     state.setdefault(ids[gi][id(p)], {})[key] = piece
             else:
+                lag = engine.used.lag[gi] if key == "step" and engine.used.lagging[gi] else None
                 for slot in fg.layout.slots:
                     v = value.detach().clone() if torch.is_tensor(value) else value
+                    if lag is not None:  # [Note: per-parameter step counts in checkpoints]
+                        v = v - lag[slot.index]
                     state.setdefault(ids[gi][id(fg.params[slot.index])], {})[key] = v
         packed = {k: v for k, v in pg.items() if k != "params"}
         packed["params"] = [ids[gi][id(p)] for p in engine.original_params[gi]]
@@ -193,6 +204,7 @@ def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
                 pg[k] = v
         per_key: dict[str, dict[int, Tensor]] = {}
         scalars: dict[str, Any] = {}
+        steps: dict[int, float] = {}  # slot index -> its parameter's saved ``step``
         for slot in fg.layout.slots:
             p = fg.params[slot.index]
             entry = saved_state.get(ids[gi][id(p)])
@@ -203,6 +215,10 @@ def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
                     per_key.setdefault(key, {})[slot.index] = value
                 else:
                     scalars.setdefault(key, value)
+                    if key == "step":
+                        steps[slot.index] = float(value)
+        count = max(steps.values(), default=0.0)
+        engine.used.restore_lags(gi, [int(count - steps.get(i, 0.0)) if steps else 0 for i in range(len(fg.params))])
         if not per_key and not scalars:
             continue
         new_state: dict[str, Any] = {}
@@ -210,6 +226,8 @@ def load_optimizer_state(engine: ZeroEngine, saved: dict[str, Any]) -> None:
             dtype = next(iter(values.values())).dtype
             new_state[key] = scatter_flat(fg, values, dtype, fg.master.device)
         for key, value in scalars.items():
+            if key == "step":  # the group's count: the most-stepped parameter's
+                value = torch.full_like(value, count) if torch.is_tensor(value) else type(value)(count)
             new_state[key] = value.clone() if torch.is_tensor(value) else value
         opt.state[fg.master] = new_state
     engine.after_state_load()

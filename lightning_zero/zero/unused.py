@@ -23,8 +23,9 @@ the host). Then, per flat group:
   A parameter that once missed a step keeps a lower count from then on, so such a group stays on this
   path (a few views per step) for the rest of the run.
 
-The per-parameter lag is engine state, not saved in checkpoints: the flat state's ``step`` is the
-group's count (the most-stepped parameter's). Optimizers whose update couples elements of a tensor
+The per-parameter lag is engine state; the flat state's ``step`` is the group's count (the most-stepped
+parameter's), and checkpoints carry each parameter's own count, as torch's do (state_dict.py [Note:
+per-parameter step counts in checkpoints]). Optimizers whose update couples elements of a tensor
 (LAMB's trust ratio) or that exchange compressed momentum (1-bit) cannot step a subset, and stop with
 one clear line the first time a parameter goes unused on every rank.
 """
@@ -78,9 +79,28 @@ class UsedParams:
         self.lagging = [False] * len(groups)
         self.steps: list[Optional[int]] = [None] * len(groups)
         """Group ``gi``'s step count (read from its flat state at the first masked step)."""
+        self.last: Optional[list[list[int]]] = None
+        """The last step's reduced mask (what got a gradient on some rank, or kept one)."""
+        self.kept: Optional[list[list[int]]] = None
+        """Parameters whose gradient torch would hold as zeros, not None (see [Note: zero_grad(set_to_none=False)])."""
 
     def mark(self, gi: int, index: int) -> None:
         self.used[gi][index] = 1
+
+    def keep_grads(self, keep: bool) -> None:
+        """[Note: zero_grad(set_to_none=False)] torch zeroes a gradient in place instead of dropping it, so a
+        parameter that once got one keeps a zero gradient, and torch's optimizers step it in every later step
+        (AdamW decays it, momentum moves it), used or not; ddp leaves that zero tensor to the optimizer too.
+        The optimizer's ``zero_grad(set_to_none=False)`` therefore makes every parameter some rank has used
+        count as used from then on; ``set_to_none=True`` drops them again, as torch does."""
+        self.kept = self.last if keep else None
+
+    def restore_lags(self, gi: int, lags: list[int]) -> None:
+        """A checkpoint gave group ``gi``'s parameters these lags behind its count (state_dict.py [Note:
+        per-parameter step counts in checkpoints]); the count is read again from the loaded flat state."""
+        self.lag[gi] = list(lags)
+        self.lagging[gi] = any(lags)
+        self.steps[gi] = None
 
     def reset(self) -> None:
         for u in self.used:
@@ -112,6 +132,9 @@ class UsedParams:
         steps whole (every parameter used somewhere, none lagging). Updates the lags. ``counted``: the
         flat states' ``step`` already counts this step (offload's step during backward)."""
         mask = self._reduce(device)
+        if self.kept is not None:  # [Note: zero_grad(set_to_none=False)]
+            mask = [[a or b for a, b in zip(m, k)] for m, k in zip(mask, self.kept)]
+        self.last = mask
         if all(all(m) for m in mask) and not any(self.lagging):
             return None
         why = _refuse(optimizer)

@@ -13,7 +13,7 @@ import torch
 
 ELEMENTWISE_TORCH_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "ASGD")
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adadelta", "ASGD", "Adagrad")
     if hasattr(torch.optim, name)
 )
 
@@ -41,8 +41,17 @@ def check_wrappable(optimizer: object, stage: int) -> None:
             f"elementwise over flat buffers, which changes the math of optimizers that use a tensor's "
             f"shape or norm. Supported: {', '.join(names)} (or a class with `zero_elementwise = True`)."
         )
-    if optimizer.state:
+    if optimizer.state and not _untouched_initial_state(optimizer):
         raise ValueError(
             f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameter(s); "
             "ZeRO must wrap an optimizer before its first step."
         )
+
+
+def _untouched_initial_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Adagrad fills its state in ``__init__`` (``step`` 0, ``sum`` at ``initial_accumulator_value``) and again,
+    identically, at its first step when a tensor has none: that state is no step taken, and the engines drop
+    it (their masters get theirs at the first step)."""
+    if type(optimizer) is not getattr(torch.optim, "Adagrad", None):
+        return False
+    return all(float(st.get("step", 1)) == 0 for st in optimizer.state.values())
