@@ -348,19 +348,16 @@ class ZeroEngine:
                     )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Installed as the optimizer's ``zero_grad``: discard the gradients this engine accumulated
-        (they live in its buffers and shards), and clear ``.grad`` of parameters it does not manage; ``set_to_none=False``
-        keeps what was used stepping, as torch does (unused.py [Note: zero_grad(set_to_none=False)])."""
+        """The optimizer's ``zero_grad``: drop the engine's gradients, clear the unmanaged ``.grad``s;
+        ``set_to_none=False`` keeps what was used stepping, as torch does (unused.py [Note: zero_grad(set_to_none=
+        False)])."""
         self._zero_grads()
         self.used.keep_grads(not set_to_none)
         for pg in self.optimizer.param_groups:
             for p in pg["params"]:
                 if id(p) in self._managed or p.grad is None:
                     continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+                p.grad = None if set_to_none else p.grad.detach_().zero_()
 
     # ---------------------------------------------------------------- the step
     # [Note: gradient norm under tensor parallelism]
