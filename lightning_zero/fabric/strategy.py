@@ -506,10 +506,10 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
-        self._close_grad_window()
-        self._placeholders.clear()
         """Engines finished (offload threads, swap files); parameters are not moved to the CPU (the
         engines keep their partitions, a save afterwards still works)."""
+        self._close_grad_window()
+        self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         for handle in self._hooks:
             handle.remove()
