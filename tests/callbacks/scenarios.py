@@ -44,7 +44,7 @@ from torch import Tensor, nn  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
-from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
+from tests.helpers.harness import barrier_or_exit, ScenarioContext, scenario  # noqa: E402
 
 TIMEOUT_S = 90
 """A run whose ranks stop meeting in collectives fails after this long instead of hanging CI."""
@@ -417,12 +417,8 @@ CASES: dict[str, Callable[[str, Path], tuple[Net, pl.Trainer, dict]]] = {
 
 
 def _barrier_or_exit() -> None:
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=2 * TIMEOUT_S + 30), wait_all_ranks=True)
-    except Exception as exc:  # noqa: BLE001
-        print(f"[callbacks rank {dist.get_rank()}] ranks cannot meet after a failure ({exc}); exiting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(3)
+    """After a failed run: continue only once every rank got here (tests/helpers/harness.py)."""
+    barrier_or_exit("callbacks", 2 * TIMEOUT_S + 30)  # long enough for a rank blocked in a collective to time out first
 
 
 def run(ctx: ScenarioContext, case: str, spec: str) -> None:

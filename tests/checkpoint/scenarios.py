@@ -59,7 +59,7 @@ import lightning_zero  # noqa: E402
 from tests.checkpoint.models import MODELS  # noqa: E402
 from tests.helpers.parity_runs import offload_kwargs  # noqa: E402
 from tests.helpers.memory import NewStorageTracker  # noqa: E402
-from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
+from tests.helpers.harness import barrier_or_exit, ScenarioContext, scenario  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 60
 BUCKET_MB = 0.01
@@ -347,12 +347,8 @@ def run_consolidate(step: dict, out: str) -> dict[str, Any]:
 
 
 def _barrier_or_exit() -> None:
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S + 30), wait_all_ranks=True)
-    except Exception as exc:  # noqa: BLE001
-        print(f"[ckpt rank {rank()}] ranks cannot meet after a failure ({exc}); exiting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(3)
+    """After a failed run: continue only once every rank got here (tests/helpers/harness.py)."""
+    barrier_or_exit("ckpt", 2 * COLLECTIVE_TIMEOUT_S + 30)  # long enough for a rank blocked in a collective to time out first
 
 
 @scenario("checkpoint.plan")

@@ -251,3 +251,18 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     run.log = "\n".join(logs)
     run.seconds = time.perf_counter() - started
     return run
+
+
+def barrier_or_exit(tag: str, timeout_s: float) -> None:
+    """After a failed run inside a multi-run worker: go on only if every rank got here within ``timeout_s``
+    (else their collectives would pair with the wrong partners in the next run); otherwise exit this rank."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to meet ends the worker
+        print(f"[{tag} rank {dist.get_rank()}] ranks cannot meet after a failure ({exc}); exiting", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(3)

@@ -37,7 +37,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
-from tests.helpers.harness import ScenarioContext, scenario  # noqa: E402
+from tests.helpers.harness import barrier_or_exit, ScenarioContext, scenario  # noqa: E402
 from tests.zoo.models import STEPS, ZooModule, build, describe  # noqa: E402
 
 COLLECTIVE_TIMEOUT_S = 90
@@ -159,15 +159,8 @@ def make_trainer(model_name: str, spec: str, model: ZooModule, probe: ZooProbe) 
 
 
 def _barrier_or_exit() -> None:
-    """After a failed run: continue only if every rank got here (else their collectives would pair
-    with the wrong partners in the next run)."""
-    try:
-        # long enough for a rank still blocked in a collective to time out first and get here too
-        dist.monitored_barrier(timeout=timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S + 30), wait_all_ranks=True)
-    except Exception as exc:  # noqa: BLE001
-        print(f"[zoo rank {dist.get_rank()}] ranks cannot meet after a failure ({exc}); exiting", file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(3)
+    """After a failed run: continue only once every rank got here (tests/helpers/harness.py)."""
+    barrier_or_exit("zoo", 2 * COLLECTIVE_TIMEOUT_S + 30)  # long enough for a rank blocked in a collective to time out first
 
 
 def run(ctx: ScenarioContext, model_name: str, spec: str) -> None:
