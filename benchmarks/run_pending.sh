@@ -17,6 +17,9 @@
 #      #33: the largest model without offload, fp32 against 16-bit states, when the GPU is an H100 (H200: done).
 #   E  (2 GPUs) #31: tp 2 batch-1 latency (eager and compiled; ran past 200 s on 2026-11-28 13:35).
 #   G  (2 GPUs' host: 256 GiB) #31: 70B-shape ZeRO-Inference from host memory against Accelerate (40 of 80 layers).
+#   AD (4 GPUs) A's eager 8B pair, then three lanes side by side: weak8b_2 on GPUs 0-1, D2 on GPU 2, D on GPU 3
+#      (no HF peer row: hf_static_compiled was measured 2026-11-28 13:22; the int rows are what is owed).
+#   FR (4 GPUs) F, then B's ring tests at 4 ranks with what is left.
 #   F  (4 GPUs) #33: the 2,000-step loss of qwZ + qgZ + hpZ against zero3 on the corpus at the FP8 check's size
 #      (~300M GPT, global batch 8 x 1024: 4 ranks x 2); the CPU run of 2026-11-28 overfit a 0.8M model.
 #
@@ -25,7 +28,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -104,6 +107,34 @@ case "$CALL" in
     timeout $(( $(left) - 5 )) python3 examples/train.py strategy=zero3 $ARGS strategy.quantized_weights=int8 \
       strategy.quantized_gradients=int4 strategy.hpz_partition_size=2 hydra.run.dir="$OUT/zeropp" \
       > "$OUT/zeropp.log" 2>&1; mark zeropp $?
+    ;;
+  AD)
+    python3 benchmarks/peers.py --gpus 4 --model gpt_8b --micro-batch 2 --configs zero3,fsdp --profile --steps 6 \
+      --warmup 3 --budget-s 240 --out-dir "$OUT/eager8b" > "$OUT/eager8b.log" 2>&1; mark eager8b $?
+    LANE=$(( $(left) - 15 ))
+    ( CUDA_VISIBLE_DEVICES=0,1 python3 benchmarks/peers.py --gpus 2 --model gpt_8b --micro-batch 2 --configs zero3 \
+        --steps 6 --warmup 3 --budget-s "$LANE" --out-dir "$OUT/weak8b_2" > "$OUT/weak8b_2.log" 2>&1; mark weak8b_2 $? ) &
+    ( export CUDA_VISIBLE_DEVICES=2
+      LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout 110 python3 -m pytest -q -m gpu tests/inference/test_triton_wo.py \
+        -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
+      timeout $(( LANE - 120 )) python3 benchmarks/wo_kernels.py --kernels bf16,gemv,triton > "$OUT/wo_kernels.log" 2>&1
+      mark wo_kernels $? ) &
+    ( CUDA_VISIBLE_DEVICES=3 timeout "$LANE" python3 benchmarks/inference.py --no-cdt --new-tokens 64 --repeats 2 \
+        --quant-skip '' > "$OUT/inference.log" 2>&1; mark inference $? ) &
+    wait
+    ;;
+  FR)
+    ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024 data.batch_size=2
+      trainer.max_steps=2000 trainer.devices=4 trainer.val_check_interval=500 trainer.limit_val_batches=16
+      trainer.num_sanity_val_steps=0 checkpoint.enabled=false seed=1234"
+    timeout 250 python3 examples/train.py strategy=zero3 $ARGS hydra.run.dir="$OUT/zero3" > "$OUT/zero3.log" 2>&1
+    mark zero3 $?
+    timeout 250 python3 examples/train.py strategy=zero3 $ARGS strategy.quantized_weights=int8 \
+      strategy.quantized_gradients=int4 strategy.hpz_partition_size=2 hydra.run.dir="$OUT/zeropp" \
+      > "$OUT/zeropp.log" 2>&1; mark zeropp $?
+    python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1
+    LZ_TEST_ACCELERATOR=gpu timeout $(( $(left) - 5 )) python3 -m pytest -q tests/sequence/test_sp_attention.py \
+      -k "ring and four" -p no:cacheprovider > "$OUT/ring_nccl.log" 2>&1; mark ring_nccl $?
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
