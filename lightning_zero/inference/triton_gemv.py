@@ -25,21 +25,16 @@ once per program and iteration (cached). Measured per Linear on an H200 (the old
 UTC): int4 0.98 -> 1.37 TB/s (4096 x 14336) and 1.43 -> 1.52 (14336 x 4096); int8 2.3-2.8 TB/s either way. Two
 further variants gained nothing measurable and were dropped (13:47 UTC): loading the next tile before the current
 one's arithmetic (two tiles in flight), and expanding every code of a tile at once against ``x`` read contiguously.
+So what bounds int8 at ~2.8e12 codes a second is neither the conversions nor the bytes in flight alone; the next
+suspects are Triton's code for the per-group reduction and the strided ``x`` loads (a profile with Nsight Compute is
+the next step, not yet taken). Triton's ahead-of-time compile for sm_90 (benchmarks/wo_kernels_ptx.py) shows 11
+``bar.sync`` per K iteration in this kernel: the strided ``x`` vectors pass through shared memory and the group sums
+cross warps. A third version without them (``x`` handed over as fp32 in the codes' layout, built by one more op
+per Linear, and the groups summed after the loop: no barrier in the loop) measured slower on an H200 (2026-11-28
+16:45 UTC, RESULTS.md): int8 13.6 against 9.4 us at 4096 x 4096 and 28.9 against 21.3 us at 14336 x 4096, so
+the barriers are not what bounds it either, and this version stays.
 
-[Note: no barriers]
-What bounded version 2 shows in its sm_90 code (benchmarks/wo_kernels_ptx.py, Triton's ahead-of-time compiler, no
-GPU needed): each strided ``x`` vector was loaded in a 1-D layout of its own and converted to the codes' layout
-through shared memory, and the per-iteration sum over groups crossed warps, 11 ``bar.sync`` in every iteration of
-the K loop: the warps of a program waited for each other four times per tile instead of keeping loads in flight.
-Version 3 (this one) has none in the loop at BLOCK_N 2-4 (two remain at BLOCK_N 8 with 4 warps): ``x``
-is handed over as ``xt [codes per word, words]`` in fp32 (``xt[j, w] = x[codes_per_word x w + j]``, a few KB,
-built inside the op so the compiled step fuses it) and read through pointers shaped like the codes' tile, so both
-loads get the same layout (4-byte elements, contiguous along the words); and the accumulator keeps one column per
-group, summed once after the loop. Not yet timed on a GPU: the session that wrote it had spent its device time
-(benchmarks/RESULTS.md, 2026-11-28 13:14-13:50 UTC; ``run_pending.sh D2`` times it).
-
-Verified against dequantize-then-matmul in Triton's interpreter (CPU); the GPU-marked tests
-(tests/inference/test_triton_wo.py) passed version 2 on an H200 and are owed for version 3.
+Verified against dequantize-then-matmul in Triton's interpreter (CPU) and in the GPU-marked tests.
 """
 
 from __future__ import annotations
@@ -47,7 +42,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_zero.inference.triton_wo import _AUTOTUNE, _INTERPRET, call_op, takes
@@ -66,10 +60,10 @@ if triton is not None:
         configs=[triton.Config({"BLOCK_N": n, "GPI": g}, num_warps=w)
                  for n in (2, 4, 8) for g in (8, 16) for w in (2, 4)] if _AUTOTUNE and not _INTERPRET
         else [triton.Config({"BLOCK_N": 4, "GPI": 2})],
-        key=["N", "total_words", "BITS"],
+        key=["N", "K", "BITS"],
     )
     @triton.jit
-    def _gemv_kernel(xt_ptr, q_ptr, s_ptr, b_ptr, y_ptr, N, total_words,
+    def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, N, K, row_words,
                      BITS: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_N: tl.constexpr, GPI: tl.constexpr):  # fmt: skip
         PER_WORD: tl.constexpr = 32 // BITS  # codes per 32-bit word: 4 (int8) or 8 (int4)
@@ -79,30 +73,28 @@ if triton is not None:
         OFFSET: tl.constexpr = 8388608.0 + (1 << (BITS - 1))  # 2**23 + the offset-binary bias (128 or 8)
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        words = q_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None].to(tl.int64) * total_words  # a row's words
+        words = q_ptr.to(tl.pointer_type(tl.int32)) + rn[:, None].to(tl.int64) * row_words
         if BITS == 8:  # 0x80808080 / 0x88888888 as int32: the sign bit of every code in a word
             flip = -2139062144
         else:
             flip = -2004318072
-        same_row = tl.zeros((BLOCK_N, 1), dtype=tl.int32)  # x's pointers shaped as the codes' ([Note: no barriers])
-        acc = tl.zeros((BLOCK_N, GPI), dtype=tl.float32)  # summed over groups after the loop ([Note: no barriers])
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for g0 in range(0, GROUPS, GPI):
             g = g0 + tl.arange(0, GPI)
             rw = g0 * WPG + tl.arange(0, WORDS)
-            k_ok = (rw < total_words)[None, :]
-            word = tl.load(words + rw[None, :], mask=n_ok[:, None] & k_ok, other=0) ^ flip
+            word = tl.load(words + rw[None, :], mask=n_ok[:, None] & (rw < GROUPS * WPG)[None, :], other=0) ^ flip
+            feat = rw * PER_WORD  # input feature of each word's lowest code
             prod = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
-            for j in tl.static_range(PER_WORD):  # code j of word w is input feature PER_WORD * w + j: xt[j, w]
-                x = tl.load(xt_ptr + j * total_words + rw[None, :] + same_row, mask=k_ok, other=0.0)
-                prod += _code_value(word, j * BITS, MASK, OFFSET) * x
+            for j in tl.static_range(PER_WORD):  # code j of a word is input feature PER_WORD * w + j
+                x = tl.load(x_ptr + feat + j, mask=feat + j < K, other=0.0).to(tl.float32)
+                prod += _code_value(word, j * BITS, MASK, OFFSET) * x[None, :]
             part = tl.sum(tl.reshape(prod, (BLOCK_N, GPI, WPG)), axis=2)
             s = tl.load(s_ptr + rn[:, None].to(tl.int64) * GROUPS + g[None, :],
                         mask=n_ok[:, None] & (g < GROUPS)[None, :], other=0.0)
-            acc += part * s
-        y = tl.sum(acc, axis=1)
+            acc += tl.sum(part * s, axis=1)
         if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rn, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
     @torch.library.triton_op("lightning_zero::weight_only_gemv", mutates_args=())
     def weight_only_gemv(x: Tensor, codes: Tensor, scales: Tensor, bias: Optional[Tensor], out_features: int,
@@ -110,28 +102,34 @@ if triton is not None:
         """``x [1, K] @ dequantized(codes, scales).T + bias`` -> ``[1, out_features]`` in ``x``'s dtype."""
         k = x.shape[1]
         padded = k + (-k) % group_size
-        per_word = 32 // bits
-        total_words = padded // per_word
-        # x in fp32, zero-padded, as [codes per word, words]: row j holds the features that code j of every word
-        # multiplies, so the kernel reads it in the codes' own layout (a few KB; traced into the compiled step)
-        xt = F.pad(x.reshape(-1).float(), (0, padded - k)).view(total_words, per_word).t().contiguous()
         y = torch.empty(1, out_features, dtype=x.dtype, device=x.device)
 
         def grid(meta: dict) -> tuple[int]:
             return (triton.cdiv(out_features, meta["BLOCK_N"]),)
 
         torch.library.wrap_triton(_gemv_kernel)[grid](
-            xt, codes, scales, bias if bias is not None else scales, y, out_features, total_words, BITS=bits,
-            GROUP=group_size, GROUPS=padded // group_size, HAS_BIAS=bias is not None)
+            x, codes, scales, bias if bias is not None else scales, y, out_features, k,
+            (padded // 2 if bits == 4 else padded) // 4, BITS=bits, GROUP=group_size, GROUPS=padded // group_size,
+            HAS_BIAS=bias is not None)
         return y
+
+
+def gemv_takes(x: Tensor, layer: nn.Module) -> bool:
+    """Whether :func:`triton_gemv` runs ``layer(x)`` (its docstring says what it declines); traceable by dynamo
+    without a graph break, as the compiled decode step needs."""
+    if not takes(x, layer) or x.numel() != layer.in_features:
+        return False
+    return torch.compiler.is_compiling() or layer.codes.storage_offset() % 4 == 0
 
 
 def triton_gemv(x: Tensor, layer: nn.Module) -> Optional[Tensor]:
     """A kernel for quant.py's seam: ``layer(x)`` for one row through :func:`weight_only_gemv`, else None (the
     same refusals as triton_wo.py's entry: no Triton, off CUDA unless interpreted, another dtype or group size,
     autograd needing a backward; and anything but one row, or codes not starting on a 4-byte boundary, which the
-    kernel reads as 32-bit words: a view into a larger buffer, say)."""
-    if not takes(x, layer) or x.numel() != layer.in_features or layer.codes.storage_offset() % 4:
+    kernel reads as 32-bit words: a view into a larger buffer, say). The boundary is checked eagerly only: dynamo
+    cannot trace ``storage_offset()`` (a graph break, which under ``fullgraph`` fails the compiled decode step),
+    and the codes :func:`~lightning_zero.inference.quant.quantize_linears` makes are tensors of their own."""
+    if not gemv_takes(x, layer):
         return None
     return call_op(torch.ops.lightning_zero.weight_only_gemv, x, layer, 1)
 

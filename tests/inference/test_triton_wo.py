@@ -101,6 +101,21 @@ def test_gemv_declines_codes_off_a_word_boundary(monkeypatch: pytest.MonkeyPatch
     assert q.codes.storage_offset() == 1 and triton_gemv(one, q) is None
 
 
+@torch.no_grad()
+def test_gemv_check_traces_without_a_graph_break(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV's refusal check runs inside the compiled decode step (``fullgraph=True``): ``storage_offset()``
+    there was a graph break that failed the GPU test and decoded int8 at 14.8 tokens/s (2026-11-28 16:45)."""
+    from lightning_zero.inference.triton_gemv import gemv_takes
+
+    monkeypatch.setattr(triton_wo, "triton_available", lambda: True)
+    monkeypatch.setattr(triton_wo, "_INTERPRET", True)
+    q = QuantLinear.from_linear(nn.Linear(64, 8), bits=8, group_size=32)
+    one = torch.randn(1, 64)
+    traced = torch.compile(lambda x: x * 2 if gemv_takes(x, q) else x * 3, fullgraph=True, backend="eager")
+    assert gemv_takes(one, q) and torch.equal(traced(one), one * 2)
+    assert not gemv_takes(torch.randn(2, 64), q)
+
+
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 @pytest.mark.parametrize("kernel", ["triton_weight_only", "triton_gemv"])
 def test_kernel_in_the_interpreter(kernel: str) -> None:
