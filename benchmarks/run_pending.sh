@@ -20,6 +20,7 @@
 #   AD (4 GPUs) A's eager 8B pair, then three lanes side by side: weak8b_2 on GPUs 0-1, D2 on GPU 2, D on GPU 3
 #      (no HF peer row: hf_static_compiled was measured 2026-11-28 13:22; the int rows are what is owed).
 #   FR (4 GPUs) F, then B's ring tests at 4 ranks with what is left.
+#   CR (4 GPUs) C's checkpoints of the 8B shape, then the 4-rank ring tests.
 #   F  (4 GPUs) #33: the 2,000-step loss of qwZ + qgZ + hpZ against zero3 on the corpus at the FP8 check's size
 #      (~300M GPT, global batch 8 x 1024: 4 ranks x 2); the CPU run of 2026-11-28 overfit a 0.8M model.
 #
@@ -28,7 +29,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -133,6 +134,13 @@ case "$CALL" in
       strategy.quantized_gradients=int4 strategy.hpz_partition_size=2 hydra.run.dir="$OUT/zeropp" \
       > "$OUT/zeropp.log" 2>&1; mark zeropp $?
     python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1
+    LZ_TEST_ACCELERATOR=gpu timeout $(( $(left) - 5 )) python3 -m pytest -q tests/sequence/test_sp_attention.py \
+      -k "ring and four" -p no:cacheprovider > "$OUT/ring_nccl.log" 2>&1; mark ring_nccl $?
+    ;;
+  CR)
+    python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --saves 1 \
+      --configs zero3,fsdp,deepspeed_stage_3,zero3_async --budget-s $(( $(left) - 130 )) --ckpt-dir /tmp/lz_ckpt \
+      > "$OUT/checkpoint.log" 2>&1; mark checkpoint $?
     LZ_TEST_ACCELERATOR=gpu timeout $(( $(left) - 5 )) python3 -m pytest -q tests/sequence/test_sp_attention.py \
       -k "ring and four" -p no:cacheprovider > "$OUT/ring_nccl.log" 2>&1; mark ring_nccl $?
     ;;
