@@ -484,6 +484,7 @@ class ZeroEngine:
     def _step_masters(self, grads: list[Tensor], coef: float) -> None:
         """Scale the gradients by ``coef`` (unscale and clip) and step the masters (offload: on the CPU)."""
         if self.states16 is not None:  # bf16 states: coef goes into the step (states16.py)
+            self.states16.adopt_param_writes()  # flat_group.py [Note: writes outside the optimizer]
             self.states16.step(grads, coef, self._plans)
             return
         for fg, g in zip(self.groups, grads):
@@ -558,8 +559,8 @@ class ZeroEngine:
     def gathered_params(self, module: Optional["Module"] = None, writeback: bool = False) -> Generator[None, None, None]:
         """Full parameters inside (below stage 3 they always are); ``writeback``: changes reach the masters now."""
         yield
-        for fg in self.groups if writeback and self.states16 is None else []:
-            fg.adopt_param_writes()
+        for fg in self.groups if writeback else []:
+            fg.adopt_param_writes(self.states16.compensation(fg) if self.states16 is not None else None)
 
     def install_module_hooks(self) -> None:
         """Validate/test/predict after fit: forward hooks back on (stage 3 gathers unit by unit)."""

@@ -39,7 +39,7 @@ class ShardViews:
     _grad_written: set[int]
     """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
 
-    def adopt_param_writes(self) -> None:
+    def adopt_param_writes(self, comp: Optional[Tensor] = None) -> None:
         """Stage 3 keeps no full copy between steps: a gathered unit changed in place is refused at its
         release (stage3.py ``_check_unmodified``). Stages 0-2: :meth:`FlatParamGroup.adopt_param_writes`."""
 
@@ -142,7 +142,7 @@ class FlatParamGroup(ShardViews):
         b = self.layout.buckets[bucket_index]
         return buffer[b.start : b.end]
 
-    def adopt_param_writes(self) -> None:
+    def adopt_param_writes(self, comp: Optional[Tensor] = None) -> None:
         """[Note: writes outside the optimizer] The model's parameters are views of ``flat_param``; the
         optimizer steps ``master`` and the write-back overwrites ``flat_param`` from it. Code that
         changes a parameter between two steps (WGAN weight clipping ``p.data.clamp_()``, CLIP's
@@ -152,13 +152,18 @@ class FlatParamGroup(ShardViews):
         change, as under ddp): fp32 compute copies the chunk (equal elements stay equal); 16-bit
         compute takes only elements that differ from the rounded master, so untouched elements keep
         their fp32 bits. One pass over this rank's shard, no host sync. ``.data`` edits leave no
-        version-counter trace, hence the comparison rather than a check of ``_version``."""
+        version-counter trace, hence the comparison rather than a check of ``_version``. 16-bit device
+        states (states16.py): the bf16 master is what the parameters were written from, so the chunk is
+        copied, and ``comp`` (a ``bf16_kahan`` compensation, laid out as the master) is zeroed where an
+        element changed: the value the user set is exact, as a checkpoint load restarts the words."""
         if self.shares_master:  # the parameters are the master
             return
         shard = self.shard if self.layout.num_shards > 1 else 0
         for bi, b in enumerate(self.layout.buckets):
             lo, hi = b.chunk_range(shard)
             live, master = self.flat_param[lo:hi], self.master_chunk(bi)
+            if comp is not None:
+                comp[b.shard_offset : b.shard_offset + b.chunk].masked_fill_(live != master, 0)
             if live.dtype == master.dtype:
                 master.copy_(live)
             else:

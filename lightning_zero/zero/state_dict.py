@@ -89,12 +89,12 @@ def _weight_groups(engine: ZeroEngine) -> list:
 
 def adopt_param_writes(engine: ZeroEngine) -> None:
     """Before the masters are read for a checkpoint or an export: parameter changes made since the last
-    step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them.
-    Engines that step elsewhere (offload, a step ahead of the parameters under the delayed update)
-    or keep 16-bit device states do not take them at their step either, so not here."""
-    if getattr(engine, "offload", None) is None and engine.states16 is None:
+    step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them
+    (16-bit device states too). Engines that step elsewhere (offload, a step ahead of the parameters
+    under the delayed update) do not take them at their step either, so not here."""
+    if getattr(engine, "offload", None) is None:
         for fg in engine.groups:
-            fg.adopt_param_writes()
+            fg.adopt_param_writes(engine.states16.compensation(fg) if engine.states16 is not None else None)
 
 
 @_in_host_state

@@ -150,6 +150,16 @@ class DeviceStates16:
                            st["exp_avg_sq"][a:z], step=count, hyper=hyper, grad_scale=grad_scale, seed=gi,
                            offset=flat)
 
+    def compensation(self, fg: Any) -> Optional[Tensor]:
+        """``fg``'s Kahan words (``bf16_kahan``, after its first step), else None."""
+        return self.optimizer.state.get(fg.master, {}).get(COMP_KEY)
+
+    def adopt_param_writes(self) -> None:
+        """Parameter changes made since the last step reach the bf16 masters (flat_group.py [Note: writes
+        outside the optimizer]), before the step that would write the masters back over them."""
+        for fg in self.groups:
+            fg.adopt_param_writes(self.compensation(fg))
+
     def masters_replaced(self) -> None:
         """The masters were overwritten (weights loaded): Kahan words of the old values are dropped (zeroed)."""
         for fg in self.groups:

@@ -1,7 +1,9 @@
 """Weights changed by the user's code between steps reach the masters at stages 0-2 (zero/flat_group.py
 [Note: writes outside the optimizer]): through ``gathered_params(writeback=True)`` at once, and any
-change before the next step or the next state dict. One process, bf16-mixed, so the masters (fp32) are
-not the model's parameters. The two-rank parity with ddp is the zoo's "clamped" model."""
+change before the next step or the next state dict. One process, bf16-mixed, so the masters (fp32, or
+bf16 with 16-bit device states) are not the model's parameters. The two-rank parity with ddp is the
+zoo's "clamped" model; 16-bit states, which ddp has no counterpart of, keep the set value through the
+next step at ``lr=0`` (a Kahan word would otherwise add its old remainder back)."""
 
 from __future__ import annotations
 
@@ -33,10 +35,11 @@ class EditAfterFirstStep(pl.Callback):
         self.state = trainer.strategy.full_state_dict()
 
 
-def _fit(strategy: ZeroStrategy, callback: pl.Callback) -> None:
-    Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=1, logger=False,
+def _fit(strategy: ZeroStrategy, callback: pl.Callback, max_steps: int = 1, lr: float = 3e-3) -> None:
+    Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", max_steps=max_steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False, limit_val_batches=0, callbacks=[callback]).fit(ParityNet(checkpointing=False))
+            use_distributed_sampler=False, limit_val_batches=0,
+            callbacks=[callback]).fit(ParityNet(checkpointing=False, lr=lr))
 
 
 @pytest.mark.parametrize("writeback", [True, False])
@@ -47,6 +50,31 @@ def test_a_weight_changed_between_steps_reaches_the_masters(stage: int, writebac
     weight = cb.state["blocks.0.up.weight"]
     assert weight.dtype == torch.float32 and torch.all(weight == 0.25)
     assert not torch.all(cb.state["blocks.1.up.weight"] == 0.25)  # only what was changed
+
+
+class StateAfterSecondStep(EditAfterFirstStep):
+    """The same edit after step 1; the state dict read after step 2."""
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: ParityNet, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 1:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        elif trainer.global_step == 2:
+            self.state = trainer.strategy.full_state_dict()
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+@pytest.mark.parametrize("precision", ["bf16_sr", "bf16_kahan"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_16bit_states_take_a_weight_changed_between_steps(stage: int, precision: str, writeback: bool) -> None:
+    """With 16-bit device states the masters are bf16 and the step writes them back over the parameters: an
+    edit between steps is in the state dict at once, and after one more step at ``lr=0`` it is exact."""
+    now = EditAfterFirstStep(writeback)
+    _fit(ZeroStrategy(stage=stage, state_precision=precision), now)
+    assert torch.all(now.state["blocks.0.up.weight"] == 0.25)
+    later = StateAfterSecondStep(writeback)
+    _fit(ZeroStrategy(stage=stage, state_precision=precision), later, max_steps=2, lr=0.0)
+    assert torch.all(later.state["blocks.0.up.weight"] == 0.25)
+    assert not torch.all(later.state["blocks.1.up.weight"] == 0.25)
 
 
 def test_offload_refuses_writeback_at_stage_2() -> None:
