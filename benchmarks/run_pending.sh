@@ -1,31 +1,25 @@
 #!/usr/bin/env bash
-# The device runs still owed to issues #30-#33 after 2026-11-28's sessions, one device call each (<= 9.5 min):
+# The device runs still owed to issues #30-#33 after 2026-11-28's sessions, one device call each (<= 9.5 min).
+# Done at 16:41-17:10 (RESULTS.md): A and D2 (as AD), F's zero3 run, the 4-rank ring tests, C's zero3/fsdp rows.
+# Next, in this order: Q (x4), D (x1), C (x4), B (x4), E (x2), G (x2 host), then F's ZeRO++ run once Q explains it.
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
-#   A  (4 GPUs) #32: where zero3 loses 4% to compiled fsdp on the 8B shape (eager pair, profiled: exposed comm);
-#      8B weak scaling at 2 GPUs (4 GPUs: the eager zero3 row of the same call).
-#   B  (4 GPUs) #30: the ring tests over NCCL at 4 ranks (2 ranks passed 2026-11-28 13:35); SP against DeepSpeed
-#      ALST again after the host-sync fixes (32K, 128K); #32: MoE EP 4 sorted and
-#      capacity dispatch against dense; pipeline sweep (1F1B and interleaved, pp 2 and 4, M = 4, 8, 16).
-#   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape, ours against fsdp's DCP and DeepSpeed's;
-#      #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write, and the 2,000-step loss of qwZ+qgZ+hpZ.
-#   D  (1 GPU) #31: decode rows (bf16 against the roofline and HF's static cache; int8 and int4 through the GEMV,
-#      the head quantized too, gpt-fast's recipe).
-#   D2 (1 GPU; H100 if lent) #31: the weight-only kernels per Linear shape (benchmarks/wo_kernels.py), GEMV v3
-#      (no barriers in its loop: triton_gemv.py) against v2's 13:22 figures, and its GPU-marked tests;
-#      #33: the largest model without offload, fp32 against 16-bit states, when the GPU is an H100 (H200: done).
-#   E  (2 GPUs) #31: tp 2 batch-1 latency (eager and compiled; ran past 200 s on 2026-11-28 13:35).
-#   G  (2 GPUs' host: 256 GiB) #31: 70B-shape ZeRO-Inference from host memory against Accelerate (40 of 80 layers).
-#   AD (4 GPUs) A's eager 8B pair, then three lanes side by side: weak8b_2 on GPUs 0-1, D2 on GPU 2, D on GPU 3
-#      (no HF peer row: hf_static_compiled was measured 2026-11-28 13:22; the int rows are what is owed).
-#   FR (4 GPUs) F, then B's ring tests at 4 ranks with what is left.
-#   CR (4 GPUs) C's checkpoints of the 8B shape, then the 4-rank ring tests.
 #   Q  (4 GPUs) #33: ZeRO++ trained to a 9% lower validation loss than zero3 by step 1,000 on 4 H200s (2026-11-28
 #      16:55), the opposite of every CPU run (noise slows it there): the ZeRO++ parity suite over NCCL at 2 and 4
 #      ranks, then each switch alone for 1,000 steps of F's run (val at 500, 1000) to find the one that differs.
+#   D  (1 GPU) #31: decode rows (int8 and int4 through the GEMV v2, the head quantized too, gpt-fast's recipe;
+#      the 16:45 rows hit a graph break in the GEMV's check, fixed in 90729c0).
+#   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape: DeepSpeed's and our async save (ours and fsdp's:
+#      17:01); #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write.
+#   B  (4 GPUs) #30: SP against DeepSpeed ALST again after the host-sync fixes (32K, 128K); #32: MoE EP 4 sorted
+#      and capacity dispatch against dense; pipeline sweep (1F1B and interleaved, pp 2 and 4, M = 4, 8, 16).
+#      (Its ring tests passed at 4 ranks on 17:10; they run again first, ~60 s.)
+#   E  (2 GPUs) #31: tp 2 batch-1 latency (eager and compiled; ran past 200 s on 2026-11-28 13:35).
+#   G  (2 GPUs' host: 256 GiB) #31: 70B-shape ZeRO-Inference from host memory against Accelerate (40 of 80 layers).
 #   F  (4 GPUs) #33: the 2,000-step loss of qwZ + qgZ + hpZ against zero3 on the corpus at the FP8 check's size
-#      (~300M GPT, global batch 8 x 1024: 4 ranks x 2); the CPU run of 2026-11-28 overfit a 0.8M model.
+#      (~300M GPT, global batch 8 x 1024: 4 ranks x 2; zero3's curve is in RESULTS.md 16:41-17:10).
+#   A, D2, AD, FR, CR: this session's calls, kept as they ran (RESULTS.md 16:41-17:10).
 #
 # Each writes its logs under $OUT. NVLink multicast stays off (the lent machines' rule).
 set -u
@@ -70,8 +64,9 @@ case "$CALL" in
       > "$OUT/pipeline.log" 2>&1; mark pipeline $?
     ;;
   C)
+    # zero3 and fsdp were measured 2026-11-28 17:01 (60.9 / 89.4 s save, 59.3 / 74.6 s load): the other two rows
     python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --saves 1 \
-      --configs zero3,zero3_async,fsdp,deepspeed_stage_3 --budget-s 400 --ckpt-dir /tmp/lz_ckpt \
+      --configs deepspeed_stage_3,zero3_async --budget-s 400 --ckpt-dir /tmp/lz_ckpt \
       > "$OUT/checkpoint.log" 2>&1; mark checkpoint $?
     timeout 150 $TR 4 benchmarks/zeropp.py --device cuda --model xl --hpz 2 --steps 10 --skip 3 \
       > "$OUT/zeropp_nvlink4.log" 2>&1; mark zeropp $?

@@ -60,6 +60,7 @@ from lightning_zero.config.quantization import QuantCommConfig
 from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.engine import _Pending
+from lightning_zero.zero.first_step import check_same_unit
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
@@ -307,6 +308,7 @@ class Stage3Engine(Stage2Engine):
                 return None
             if not self._order_frozen and (torch.is_grad_enabled() or self.records_order_without_grad):
                 self.order.append(unit.index)
+                self._agree(unit, "forward")
             self.running.add(unit.index)
             if self._order_frozen:
                 self._catch_up_forward(unit)
@@ -321,6 +323,13 @@ class Stage3Engine(Stage2Engine):
             return None
 
         return _outside_compile(hook)
+
+    def _agree(self, unit: Unit, where: str) -> None:
+        """First step: the ranks agree on the unit before its gather (first_step.py [Note: units skipped in the
+        first step]); only where the gather issues a collective (persistent or gathered units issue none)."""
+        if unit.buckets and unit.index not in self._gathered and not (unit.persistent or unit.held_for_step):
+            check_same_unit(unit.index, [u.name for u in self.units], self._gather_groups[unit.buckets[0][0]],
+                            self.device, where)
 
     def _unit_backward_done(self, unit: Unit) -> None:
         """The gradients of a unit's inputs are computed: its backward no longer needs its weights."""
@@ -386,7 +395,7 @@ class Stage3Engine(Stage2Engine):
             for idx in list(self._gathered):
                 if not self.units[idx].held_for_step:
                     self.release(self.units[idx])
-        pos = self._catch_up_backward(unit) if self._order_frozen else None
+        pos = self._catch_up_backward(unit) if self._order_frozen else self._agree(unit, "backward")
         self.gather(unit)
         if self._order_frozen and self.prefetch_units > 0 and pos is not None:
             self._prefetch(reversed(self.order[max(0, pos - self.prefetch_units) : pos]))

@@ -29,6 +29,22 @@ def test_a_unit_skipped_on_one_rank_trains_like_ddp(runs: dict[str, dict], skip:
     assert got == pytest.approx(ref, rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize("skip", [2, 3])
+def test_a_unit_skipped_on_one_rank_in_the_first_step_is_an_error_on_every_rank(runs: dict[str, dict],
+                                                                                skip: int) -> None:
+    """Stage 3 has no recorded order in the first step: instead of hanging, both ranks raise one error that
+    names the module each rank entered (first_step.py [Note: units skipped in the first step])."""
+    for rank in (0, 1):
+        error = runs[f"first{skip}_rank{rank}"]["error"]
+        assert "in the first training step the ranks entered different modules" in error
+        # rank 1 skipped blocks.{skip}: its next gather is the next block's forward, or after the last block
+        # backward's first (blocks.2), while rank 0 is in blocks.{skip}'s forward
+        other = "backward" if skip == 3 and rank == 1 else "forward"
+        assert f"rank 0 `blocks.{skip}`; rank 1 `blocks.{skip + 1 if skip < 3 else 2}`; this rank in its {other}" in error
+        # the first step stopped: in the rank's forward (no loss yet) or its backward (one loss)
+        assert len(runs[f"first{skip}_rank{rank}"]["losses"]) == (1 if other == "backward" else 0)
+
+
 @pytest.mark.parametrize("kind", ["zero1", "zero2", "zero3", "zero3_offload", "zero3_offload_skip"])
 @pytest.mark.parametrize("wd", [0.1, 0.0])
 def test_parameters_unused_on_every_rank_are_not_stepped(runs: dict[str, dict], kind: str, wd: float) -> None:
