@@ -2,7 +2,7 @@
 [Note: writes outside the optimizer]): through ``gathered_params(writeback=True)`` at once, and any
 change before the next step or the next state dict. One process, bf16-mixed, so the masters (fp32, or
 bf16 with 16-bit device states) are not the model's parameters. The two-rank parity with ddp is the
-zoo's "clamped" model; 16-bit states, which ddp has no counterpart of, keep the set value through the
+zoo's "clamped" model (also under offload); 16-bit states, which ddp has no counterpart of, keep the set value through the
 next step at ``lr=0`` (a Kahan word would otherwise add its old remainder back)."""
 
 from __future__ import annotations
@@ -77,6 +77,43 @@ def test_16bit_states_take_a_weight_changed_between_steps(stage: int, precision:
     assert not torch.all(later.state["blocks.1.up.weight"] == 0.25)
 
 
-def test_offload_refuses_writeback_at_stage_2() -> None:
-    with pytest.raises(RuntimeError, match=r"gathered_params\(writeback=True\) cannot write .* host-memory masters"):
-        _fit(ZeroStrategy(stage=2, offload_optimizer="cpu"), EditAfterFirstStep(writeback=True))
+OFFLOAD = {
+    "cpu": dict(offload_optimizer="cpu"),
+    "cpu_in_backward": dict(offload_optimizer="cpu", nonfinite="ignore"),  # the step during backward (eager.py)
+    "partial": dict(offload_optimizer="cpu", offload_ratio=0.5, bucket_size_mb=0.002),  # the edited weight: device share
+    "compact": dict(offload_optimizer="cpu", offload_state_precision="bf16_kahan"),  # compact_state.py
+    "nvme": dict(offload_optimizer="nvme"),
+}
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+@pytest.mark.parametrize("stage,mode", [(1, "cpu"), (2, "cpu"), (2, "cpu_in_backward"), (2, "partial"), (2, "compact"),
+                                        (2, "nvme")])
+def test_offload_takes_a_weight_changed_between_steps(stage: int, mode: str, writeback: bool, tmp_path: Any) -> None:
+    """Host-memory masters (offload/param_writes.py): the edit is in the state dict at once, and after one
+    more step at ``lr=0`` (the step started from it, not from the master before it)."""
+    kwargs: dict[str, Any] = dict(OFFLOAD[mode], stage=stage)
+    if mode == "nvme":
+        kwargs["nvme_path"] = str(tmp_path)
+    now = EditAfterFirstStep(writeback)
+    _fit(ZeroStrategy(**kwargs), now)
+    assert torch.all(now.state["blocks.0.up.weight"] == 0.25)
+    later = StateAfterSecondStep(writeback)
+    strategy = ZeroStrategy(**kwargs)
+    _fit(strategy, later, max_steps=2, lr=0.0)
+    assert torch.all(later.state["blocks.0.up.weight"] == 0.25)
+    assert not torch.all(later.state["blocks.1.up.weight"] == 0.25)
+    if mode == "cpu_in_backward":
+        assert strategy.engines[0].eager_steps == 2  # the path this case is for
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+def test_delayed_update_refuses_a_weight_changed_between_steps(writeback: bool) -> None:
+    """The delayed update's masters are a step ahead of the parameters: an edit is refused, not lost; during
+    its synchronous warm-up it is taken as without the delay."""
+    with pytest.raises(RuntimeError, match="delayed_param_update, whose masters are a step ahead"):
+        _fit(ZeroStrategy(stage=2, offload_optimizer="cpu", delayed_param_update=True, delayed_param_update_warmup=0),
+             EditAfterFirstStep(writeback))
+    warm = EditAfterFirstStep(writeback)
+    _fit(ZeroStrategy(stage=2, offload_optimizer="cpu", delayed_param_update=True, delayed_param_update_warmup=2), warm)
+    assert torch.all(warm.state["blocks.0.up.weight"] == 0.25)

@@ -1,0 +1,109 @@
+"""Offloaded masters (stages 1-2) take the weights the user changes between steps.
+
+[Note: offloaded masters take writes outside the optimizer]
+zero/flat_group.py [Note: writes outside the optimizer] compares each rank's chunk of ``flat_param``
+with its master before the step, on the device. Under ``offload_optimizer`` the masters are in host
+memory (pinned, in compact states, behind NVMe swap files, or partly on the device: device_share.py),
+so that comparison would copy the whole shard device-to-host before every step (2 bytes per
+parameter per step in bf16), for edits that most runs never make. Instead :class:`ShardPrints` keeps a
+*fingerprint* of each bucket chunk of this rank's shard of ``flat_param``, taken on the device right
+after each write-back (the parameters then are the masters, rounded): the sum, in wrapping int64, of
+each element's bit pattern times an odd position-dependent multiplier. Before the next step (and
+before a state dict is read, and after ``gathered_params(writeback=True)``) the fingerprints are
+taken again (one read of the shard on the device, no transfer) and compared in one small
+device-to-host read (8 bytes per bucket). Only a chunk whose fingerprint changed is copied to the host
+and merged into its master with flat_group.py's rule (16-bit compute: the elements that differ from
+the rounded master; fp32: the chunk), inside ``host_state`` (which swaps NVMe masters in, expands
+compact states and mirrors the device share, and writes back what changed). A change of one element
+always changes the fingerprint (an odd multiplier times a nonzero difference of 16- or 32-bit
+patterns is nonzero modulo 2**64); a change of many elements that leaves it equal needs the
+multiplier-weighted differences to cancel exactly modulo 2**64.
+
+The rule is exact only while the parameters are the rounded masters. The delayed update steps the
+masters one step ahead of the parameters (delayed.py), so a changed fingerprint there is refused; the
+step during backward (eager.py) starts stepping at the first bucket, so the engine takes the writes
+before it (flat.py) and refuses a change made after that (``on_after_backward``,
+``on_before_optimizer_step``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+PIECE = 1 << 20
+"""Elements fingerprinted per kernel: bounds the int64 temporary at 8 MiB however large a bucket is."""
+
+_GOLDEN = -7046029254386353131
+"""2**64 / golden ratio as a signed int64: spreads the position multipliers over all 64 bits."""
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class ShardPrints:
+    """Fingerprints of this rank's bucket chunks of each group's ``flat_param`` (see the note above)."""
+
+    def __init__(self, groups: Sequence) -> None:
+        self.groups = groups
+        self._mult: Optional[Tensor] = None
+        self._prints: Optional[list[Tensor]] = None
+
+    def _chunks(self, gi: int) -> list[Tensor]:
+        fg = self.groups[gi]
+        shard = fg.shard if fg.layout.num_shards > 1 else 0
+        out = []
+        for b in fg.layout.buckets:
+            lo, hi = b.chunk_range(shard)
+            out.append(fg.flat_param[lo:hi])
+        return out
+
+    def _print(self, chunk: Tensor) -> Tensor:
+        bits = chunk.view(_BITS[chunk.element_size()])
+        if self._mult is None or self._mult.device != chunk.device:
+            self._mult = torch.arange(PIECE, dtype=torch.int64, device=chunk.device).mul_(_GOLDEN).bitwise_or_(1)
+        acc = torch.zeros((), dtype=torch.int64, device=chunk.device)
+        for k, lo in enumerate(range(0, bits.numel(), PIECE)):
+            piece = bits[lo : lo + PIECE]
+            term = (piece.to(torch.int64) * self._mult[: piece.numel()]).sum()
+            acc.add_(term * (2 * k + 1))
+        return acc
+
+    def take(self) -> list[Tensor]:
+        """Every group's fingerprints (int64, one per bucket, on the device; no host sync)."""
+        out = []
+        for gi in range(len(self.groups)):
+            chunks = self._chunks(gi)
+            device = self.groups[gi].flat_param.device
+            out.append(torch.stack([self._print(c) for c in chunks]) if chunks else torch.zeros(0, dtype=torch.int64, device=device))
+        return out
+
+    def record(self, prints: Optional[list[Tensor]] = None) -> None:
+        """The parameters are the rounded masters now (after a write-back, or after ``adopt``)."""
+        self._prints = self.take() if prints is None else prints
+
+    def changed(self) -> tuple[list[Tensor], list[tuple[int, int]]]:
+        """(the fingerprints now, the (group, bucket) chunks that changed since ``record``): one small read."""
+        now = self.take()
+        if self._prints is None:
+            return now, []
+        diff = torch.cat([a != b for a, b in zip(now, self._prints)]).cpu() if now else torch.zeros(0, dtype=torch.bool)
+        out, at = [], 0
+        for gi, p in enumerate(now):
+            for bi in range(p.numel()):
+                if bool(diff[at]):
+                    out.append((gi, bi))
+                at += 1
+        return now, out
+
+    def adopt(self, chunks: list[tuple[int, int]]) -> None:
+        """Merge the changed chunks into the masters (resident: the caller is inside ``host_state``)."""
+        for gi, bi in chunks:
+            fg = self.groups[gi]
+            master = fg.master_chunk(bi)
+            live = self._chunks(gi)[bi].to(master.device)
+            if live.dtype == master.dtype:
+                master.copy_(live)
+            else:
+                torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)
