@@ -19,6 +19,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.offload.engine import OffloadMixin
 from lightning_zero.offload.param_writes import ShardPrints
 from lightning_zero.offload.params import stage_to_device
+from lightning_zero.zero.engine import _Pending
 
 
 class FlatOffloadMixin(OffloadMixin):
@@ -50,15 +51,15 @@ class FlatOffloadMixin(OffloadMixin):
             return
         if self.step_policy.lagging:
             raise RuntimeError(
-                "A parameter was changed between steps (e.g. p.data.clamp_()) under delayed_param_update, whose masters "
-                "are a step ahead of the parameters, so the change cannot be applied exactly; set "
+                "A parameter was changed between steps (e.g. p.data.clamp_()) under delayed_param_update, whose "
+                "masters are a step ahead of the parameters, so the change cannot be applied exactly; set "
                 "delayed_param_update=False to change weights between steps."
             )
         with self.host_state():
             self._writes.adopt(changed)
         self._writes.record(now)
 
-    def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Any, after: Optional[Any] = None) -> Any:
+    def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
         if self.step_in_backward and not self._writes_taken:  # before the step during backward starts (eager.py)
             self._writes_taken = True
             self.adopt_param_writes()

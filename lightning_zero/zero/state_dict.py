@@ -91,8 +91,9 @@ def adopt_param_writes(engine: ZeroEngine) -> None:
     """Before the masters are read for a checkpoint or an export: parameter changes made since the last
     step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them
     (16-bit device states too; offload: offload/param_writes.py)."""
-    if getattr(engine, "offload", None) is not None:
-        engine.adopt_param_writes()  # type: ignore[attr-defined]  # offload/engine.py
+    offloaded = getattr(engine, "adopt_param_writes", None)  # the offload engines' (offload/engine.py)
+    if offloaded is not None:
+        offloaded()
     else:
         for fg in engine.groups:
             fg.adopt_param_writes(engine.states16.compensation(fg) if engine.states16 is not None else None)

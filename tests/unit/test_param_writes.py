@@ -2,12 +2,14 @@
 [Note: writes outside the optimizer]): through ``gathered_params(writeback=True)`` at once, and any
 change before the next step or the next state dict. One process, bf16-mixed, so the masters (fp32, or
 bf16 with 16-bit device states) are not the model's parameters. The two-rank parity with ddp is the
-zoo's "clamped" model (also under offload); 16-bit states, which ddp has no counterpart of, keep the set value through the
-next step at ``lr=0`` (a Kahan word would otherwise add its old remainder back)."""
+zoo's "clamped" model (also under offload); 16-bit states, which ddp has no counterpart of, and offload
+keep the set value through the next step at ``lr=0`` (a Kahan word would otherwise add its old remainder
+back; offload's masters must have taken it before the step)."""
 
 from __future__ import annotations
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +18,8 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_zero import ZeroStrategy
+from lightning_zero.offload.param_writes import ShardPrints
+from lightning_zero.zero.partition import build_layout
 from tests.helpers.parity_model import ParityNet
 
 
@@ -117,3 +121,47 @@ def test_delayed_update_refuses_a_weight_changed_between_steps(writeback: bool) 
     warm = EditAfterFirstStep(writeback)
     _fit(ZeroStrategy(stage=2, offload_optimizer="cpu", delayed_param_update=True, delayed_param_update_warmup=2), warm)
     assert torch.all(warm.state["blocks.0.up.weight"] == 0.25)
+
+
+class EditBeforeOptimizerStep(pl.Callback):
+    """Sets one weight after backward, before the optimizer step; reads the state dict after the step."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] = {}
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: ParityNet, optimizer: Any) -> None:
+        pl_module.blocks[0].up.weight.data.fill_(0.25)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: ParityNet, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.state = trainer.strategy.full_state_dict()
+
+
+def test_a_weight_changed_after_backward_under_offload() -> None:
+    """The step after backward starts from the changed weight, as ddp's optimizer does (kept at ``lr=0``);
+    the step during backward ran from the weight before it: refused, not lost (param_writes.py)."""
+    after = EditBeforeOptimizerStep()
+    _fit(ZeroStrategy(stage=2, **OFFLOAD["cpu"]), after, lr=0.0)
+    assert torch.all(after.state["blocks.0.up.weight"] == 0.25)
+    with pytest.raises(RuntimeError, match="changed after backward began"):
+        _fit(ZeroStrategy(stage=2, **OFFLOAD["cpu_in_backward"]), EditBeforeOptimizerStep())
+
+
+def test_fingerprints_name_exactly_the_changed_chunks() -> None:
+    """offload/param_writes.py: every one-element change (a sign, the lowest bit) shows in its own bucket's
+    fingerprint and no other; an untouched buffer shows none (so nothing is copied to the host)."""
+    layout = build_layout([40, 24], num_shards=2, bucket_numel=32)
+    assert len(layout.buckets) > 1
+    flat = torch.randn(layout.total).to(torch.bfloat16)
+    prints = ShardPrints([SimpleNamespace(flat_param=flat, layout=layout, shard=1)])
+    prints.record()
+    assert prints.changed()[1] == []
+    for bi, b in enumerate(layout.buckets):
+        lo, hi = b.chunk_range(1)
+        for i in range(lo, hi):
+            for new in (-flat[i], (flat[i:i + 1].view(torch.int16) ^ 1).view(torch.bfloat16)[0]):
+                old = flat[i].clone()
+                flat[i] = new
+                assert prints.changed()[1] == [(0, bi)]
+                flat[i] = old
+        flat[b.chunk_range(0)[0]] += 1  # the other rank's chunk: not this rank's to adopt
+        assert prints.changed()[1] == []
