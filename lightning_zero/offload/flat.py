@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Generator, Optional
 
+import torch
 from torch import Tensor
 from torch.nn import Module
 
@@ -47,16 +48,23 @@ class FlatOffloadMixin(OffloadMixin):
         offloaded masters take writes outside the optimizer]): a fingerprint pass on the device, and a copy
         to the host only of the chunks that changed. Refused under the delayed update once it runs ahead."""
         now, changed = self._writes.changed()
+        if self.step_policy.lagging:  # every rank refuses, whichever chunks changed (every rank calls this)
+            flag = torch.tensor(float(bool(changed)), device=C.device_for(self.dp_group, self.device))
+            C.all_reduce(flag, self.dp_group, op="max")
+            if float(flag) > 0:
+                raise RuntimeError(
+                    "A parameter was changed between steps (e.g. p.data.clamp_()) under delayed_param_update, whose "
+                    "masters are a step ahead of the parameters, so the change cannot be applied exactly; set "
+                    "delayed_param_update=False to change weights between steps."
+                )
         if not changed:
             return
-        if self.step_policy.lagging:
-            raise RuntimeError(
-                "A parameter was changed between steps (e.g. p.data.clamp_()) under delayed_param_update, whose "
-                "masters are a step ahead of the parameters, so the change cannot be applied exactly; set "
-                "delayed_param_update=False to change weights between steps."
-            )
-        with self.host_state():
-            self._writes.adopt(changed)
+        h = self.host_optimizer
+        if h.opt_store is None and h.compact is None:  # resident host masters (and the device share)
+            self._writes.adopt(changed, h.share)
+        else:
+            with self.host_state():
+                self._writes.adopt(changed, h.share)
         self._writes.record(now)
 
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:

@@ -15,10 +15,11 @@ taken again and compared in one small device-to-host read (8 bytes per bucket); 
 backward checks at its first bucket and again at the step. Cost without an edit: two or three
 device-side reads of this rank's 16-bit shard per step (2 bytes per parameter each; 11 ms for 16.8M
 bf16 elements on one CPU thread, against 174 ms for the plain compare-and-merge there) and no transfer.
-Only a chunk whose fingerprint changed is copied to the host and merged into its master with
-flat_group.py's rule (16-bit compute: the elements that differ from the rounded master; fp32: the
-chunk), inside ``host_state``, which swaps NVMe masters in, expands compact states and mirrors the
-device share, and writes back what changed (so an edit costs a whole NVMe swap, once per edited step).
+Only a chunk whose fingerprint changed is merged into its master with flat_group.py's rule (16-bit
+compute: the elements that differ from the rounded master; fp32: the chunk): a device share's chunk
+on the device, any other copied to the host first, inside ``host_state`` where the masters are not
+plain host memory (NVMe swaps them in and out: an edit then costs a whole swap, once per edited step;
+compact states expand and re-compress).
 A change of one element always changes the fingerprint (an odd multiplier is invertible modulo 2**32,
 and a 16- or 32-bit pattern that changed differs modulo 2**32); several changed elements leave it equal
 only if their weighted differences cancel exactly modulo 2**32.
@@ -36,6 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_zero.offload.device_share import DeviceShare
+from lightning_zero.offload.swap_state import is_placeholder
 
 PIECE = 1 << 20
 """Elements fingerprinted per kernel: bounds the int32 temporary at 4 MiB however large a bucket is."""
@@ -69,8 +73,9 @@ class ShardPrints:
         acc = torch.zeros((), dtype=torch.int64, device=chunk.device)
         for k, lo in enumerate(range(0, bits.numel(), PIECE)):
             piece = bits[lo : lo + PIECE]
-            term = piece.to(torch.int32).mul_(self._mult[: piece.numel()]).sum(dtype=torch.int32)  # modulo 2**32
-            acc.add_(term.to(torch.int64) * (2 * k + 1))
+            # copy=True: a 32-bit chunk's int32 view is the parameters themselves
+            term = piece.to(torch.int32, copy=True).mul_(self._mult[: piece.numel()]).sum(dtype=torch.int32)
+            acc.add_(term.to(torch.int64) * (2 * k + 1))  # each piece modulo 2**32
         return acc
 
     def take(self) -> list[Tensor]:
@@ -100,13 +105,29 @@ class ShardPrints:
                 at += 1
         return now, out
 
-    def adopt(self, chunks: list[tuple[int, int]]) -> None:
-        """Merge the changed chunks into the masters (resident: the caller is inside ``host_state``)."""
+    def adopt(self, chunks: list[tuple[int, int]], share: Optional[DeviceShare]) -> None:
+        """Merge the changed chunks into their masters: a device share's on the device (and into the host
+        mirror's tail where resident, which a ``host_state`` around this reads and pushes back), the others
+        into the host masters (resident: NVMe and compact states need the caller inside ``host_state``)."""
         for gi, bi in chunks:
             fg = self.groups[gi]
-            master = fg.master_chunk(bi)
-            live = self._chunks(gi)[bi].to(master.device)
-            if live.dtype == master.dtype:
-                master.copy_(live)
+            b = fg.layout.buckets[bi]
+            live, host = self._chunks(gi)[bi], fg.master_chunk(bi)
+            if share is not None and share.owns(gi, b.shard_offset):
+                g = share.group(gi)
+                lo = b.shard_offset - g.split
+                _merge(live, g.master[lo : lo + b.chunk])
+                if g.out16 is not None:
+                    g.out16[lo : lo + b.chunk].copy_(live)
+                if not is_placeholder(fg.master):
+                    host.copy_(g.master[lo : lo + b.chunk])
             else:
-                torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)
+                _merge(live.to(host.device), host)
+
+
+def _merge(live: Tensor, master: Tensor) -> None:
+    """zero/flat_group.py's rule: 16-bit compute takes the elements that differ from the rounded master."""
+    if live.dtype == master.dtype:
+        master.copy_(live)
+    else:
+        torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)

@@ -165,3 +165,7 @@ def test_fingerprints_name_exactly_the_changed_chunks() -> None:
                 flat[i] = old
         flat[b.chunk_range(0)[0]] += 1  # the other rank's chunk: not this rank's to adopt
         assert prints.changed()[1] == []
+    fp32 = torch.randn(layout.total)
+    before = fp32.clone()
+    ShardPrints([SimpleNamespace(flat_param=fp32, layout=layout, shard=0)]).take()
+    assert torch.equal(fp32, before)  # fingerprinting reads the parameters only (an int32 view is them)
