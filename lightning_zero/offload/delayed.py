@@ -42,6 +42,11 @@ class DelayedStep:
     def step_counted(self) -> bool:
         return False
 
+    @property
+    def lagging(self) -> bool:
+        """A background step has run: the masters are ahead of the parameters (param_writes.py)."""
+        return self._future is not None
+
     def for_backward(self, wanted: bool, backwards: int, used: UsedParams) -> Optional[EagerStep]:
         return None
 

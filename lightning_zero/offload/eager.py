@@ -128,6 +128,8 @@ class StepDuringBackward:
     def step_counted(self) -> bool:
         return self._eager is not None
 
+    lagging = False
+
     def for_backward(self, wanted: bool, backwards: int, used: UsedParams) -> Optional[EagerStep]:
         """This backward's step-during-backward, started at its first bucket (None: step after backward)."""
         if self._eager is not None:

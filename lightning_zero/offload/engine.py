@@ -369,6 +369,10 @@ class OffloadMixin(_EngineBase):
         """Bucket ``bi`` of group ``gi`` has its final 16-bit values in the upload source (stages 1-2
         start its upload and all-gather here; stage 3 uploads after the step)."""
 
+    def adopt_param_writes(self) -> None:
+        """Parameter changes since the last step into the masters, before a state dict is read (stages 1-2:
+        flat.py; stage 3 refuses an in-place change at the unit's release: stage3.py)."""
+
     def _upload_source(self, gi: int) -> Tensor:
         return self.host_optimizer.uploads.source(gi, self.groups[gi].master)
 

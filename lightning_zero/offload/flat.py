@@ -12,11 +12,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Generator, Optional
 
+import torch
+from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.offload.engine import OffloadMixin
+from lightning_zero.offload.param_writes import ShardPrints
 from lightning_zero.offload.params import stage_to_device
+from lightning_zero.zero.engine import _Pending
 
 
 class FlatOffloadMixin(OffloadMixin):
@@ -33,21 +37,62 @@ class FlatOffloadMixin(OffloadMixin):
 
     @contextmanager
     def gathered_params(self, module: Optional[Module] = None, writeback: bool = False) -> Generator[None, None, None]:
-        """Refuses ``writeback``: the masters live in host memory (or on NVMe), stepped by the CPU step
-        policy, and nothing copies parameter changes there yet (zero/flat_group.py [Note: writes outside
-        the optimizer]); the 16-bit parameters are full already."""
-        if writeback:
-            raise RuntimeError(
-                "gathered_params(writeback=True) cannot write parameter changes into the host-memory masters of "
-                "offload_optimizer at stages 1-2 yet; change the parameters without offload, or at stage 3."
-            )
+        """The 16-bit parameters are full already; ``writeback``: changes reach the host masters on exit
+        (param_writes.py [Note: offloaded masters take writes outside the optimizer])."""
         yield
+        if writeback:
+            self.adopt_param_writes()
+
+    def adopt_param_writes(self) -> None:
+        """Merge the parameters changed since the last write-back into the masters (param_writes.py [Note:
+        offloaded masters take writes outside the optimizer]): a fingerprint pass on the device, and a copy
+        to the host only of the chunks that changed. Refused under the delayed update once it runs ahead."""
+        now, changed = self._writes.changed()
+        if self.step_policy.lagging:  # every rank refuses, whichever chunks changed (every rank calls this)
+            flag = torch.tensor(float(bool(changed)), device=C.device_for(self.dp_group, self.device))
+            C.all_reduce(flag, self.dp_group, op="max")
+            if float(flag) > 0:
+                raise RuntimeError(
+                    "A parameter was changed between steps (e.g. p.data.clamp_()) under delayed_param_update, whose "
+                    "masters are a step ahead of the parameters, so the change cannot be applied exactly; set "
+                    "delayed_param_update=False to change weights between steps."
+                )
+        if not changed:
+            return
+        h = self.host_optimizer
+        if h.opt_store is None and h.compact is None:  # resident host masters (and the device share)
+            self._writes.adopt(changed, h.share)
+        else:
+            with self.host_state():
+                self._writes.adopt(changed, h.share)
+        self._writes.record(now)
+
+    def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
+        if self.step_in_backward and not self._writes_taken:  # before the step during backward starts (eager.py)
+            self._writes_taken = True
+            self.adopt_param_writes()
+        return super()._reduce_scatter_into_shard(gi, bi, bucket, after)
+
+    def _step_masters(self, grads: list[Tensor], coef: float) -> None:
+        if not self._step_counted:
+            self.adopt_param_writes()
+        elif self._writes.changed()[1]:  # the step ran during backward, from the values before this change
+            raise RuntimeError(
+                "A parameter was changed after backward began (on_after_backward, on_before_optimizer_step) while "
+                "the offloaded step ran during backward, which cannot take it; change it after the optimizer step, "
+                "or set offload_step_in_backward=False."
+            )
+        super()._step_masters(grads, coef)
 
     def _setup_offload(self) -> None:
         super()._setup_offload()
         self._gather_ready: set[tuple[int, int]] = set()
         self._gather_cursor = 0
         self._gather_works: list[Any] = []
+        self._writes = ShardPrints(self.groups)
+        self._writes.record()  # the parameters were built from the masters
+        self._writes_taken = False
+        """Whether this step's writes were taken before its step during backward started."""
 
     def _bucket_stepped(self, gi: int, bi: int) -> None:
         self._gather_ready.add((gi, bi))
@@ -94,3 +139,5 @@ class FlatOffloadMixin(OffloadMixin):
         self._gather_cursor, self._gather_ready = 0, set()
         for w in works:
             w.wait()
+        self._writes.record()  # the parameters are the (rounded) masters: param_writes.py
+        self._writes_taken = False

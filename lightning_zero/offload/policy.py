@@ -41,6 +41,11 @@ class StepPolicy(Protocol):
         """Whether the optimizer state's ``step`` already counts the coming step (it ran during backward)."""
         ...
 
+    @property
+    def lagging(self) -> bool:
+        """Whether the masters are a step ahead of the parameters (the delayed update, once it runs)."""
+        ...
+
     def for_backward(self, wanted: bool, backwards: int, used: UsedParams) -> Optional[EagerStep]:
         """At a bucket's reduce-scatter: the step running during this backward, if any (``wanted``: the
         strategy's ``step_in_backward``; ``backwards``: backwards already reduced since the last step)."""
@@ -78,6 +83,8 @@ class SyncStep:
     @property
     def step_counted(self) -> bool:
         return False
+
+    lagging = False
 
     def for_backward(self, wanted: bool, backwards: int, used: UsedParams) -> Optional[EagerStep]:
         return None

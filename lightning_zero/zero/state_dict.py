@@ -90,9 +90,11 @@ def _weight_groups(engine: ZeroEngine) -> list:
 def adopt_param_writes(engine: ZeroEngine) -> None:
     """Before the masters are read for a checkpoint or an export: parameter changes made since the last
     step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them
-    (16-bit device states too). Engines that step elsewhere (offload, a step ahead of the parameters
-    under the delayed update) do not take them at their step either, so not here."""
-    if getattr(engine, "offload", None) is None:
+    (16-bit device states too; offload: offload/param_writes.py)."""
+    offloaded = getattr(engine, "adopt_param_writes", None)  # the offload engines' (offload/engine.py)
+    if offloaded is not None:
+        offloaded()
+    else:
         for fg in engine.groups:
             fg.adopt_param_writes(engine.states16.compensation(fg) if engine.states16 is not None else None)
 

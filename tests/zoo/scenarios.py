@@ -64,6 +64,8 @@ def make_strategy(model_name: str, spec: str) -> Any:
     # gathered and the stage-3 memory claim would be vacuous. 0 partitions every unit.
     if kind == "zero3":
         return lightning_zero.ZeroStrategy(stage=3, param_persistence_threshold=0, **timeout)
+    if kind == "zero2_offload":  # the masters in host memory, stepped by the CPU step
+        return lightning_zero.ZeroStrategy(stage=2, offload_optimizer="cpu", bucket_size_mb=0.002, **timeout)
     if kind == "zero2_partial":  # half of each optimizer partition on the host, half stepped on the "device"
         return lightning_zero.ZeroStrategy(stage=2, offload_optimizer="cpu", offload_ratio=0.5, bucket_size_mb=0.002,
                                            **timeout)

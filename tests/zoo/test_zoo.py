@@ -41,7 +41,8 @@ STAGES: dict[str, list[str]] = {
     "gan": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
     "encoder": ["zero1", "zero2", "zero3", "zero3_offload"],
     "shared": ["zero1", "zero2", "zero3", "zero3_offload"],
-    "clamped": ["zero1", "zero2"],  # weights clamped after the step: stages 0-2 only (tests/zoo/layouts.py)
+    # weights clamped after the step: stages 0-2 only (tests/zoo/layouts.py), into host masters too (offload/param_writes.py)
+    "clamped": ["zero1", "zero2", "zero2_offload", "zero2_partial"],
 }
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
 NON_GAN_CASES = [c for c in CASES if c[0] != "gan"]
