@@ -40,9 +40,13 @@ from torch import Tensor
 
 from lightning_zero.offload.device_share import DeviceShare
 from lightning_zero.offload.swap_state import is_placeholder
+from lightning_zero.zero.flat_group import merge_param_writes
 
 PIECE = 1 << 20
-"""Elements fingerprinted per kernel: bounds the int32 temporary at 4 MiB however large a bucket is."""
+"""Elements per fingerprinted piece (each summed modulo 2**32, then weighted by an odd factor)."""
+ROWS = 16
+"""Pieces per kernel: bounds the int32 temporary at 64 MiB however large a bucket is, with few launches
+(one piece per kernel was ~5 launches per MiB-element of the shard, 2-3 times a step)."""
 
 _GOLDEN = -7046029254386353131
 """2**64 / golden ratio as a signed int64: spreads the position multipliers over all 64 bits."""
@@ -58,12 +62,7 @@ class ShardPrints:
 
     def _chunks(self, gi: int) -> list[Tensor]:
         fg = self.groups[gi]
-        shard = fg.shard if fg.layout.num_shards > 1 else 0
-        out = []
-        for b in fg.layout.buckets:
-            lo, hi = b.chunk_range(shard)
-            out.append(fg.flat_param[lo:hi])
-        return out
+        return [fg.param_chunk(bi) for bi in range(len(fg.layout.buckets))]
 
     def _print(self, chunk: Tensor) -> Tensor:
         bits = chunk.view(torch.int16 if chunk.element_size() == 2 else torch.int32)
@@ -71,11 +70,19 @@ class ShardPrints:
             mult = torch.arange(PIECE, dtype=torch.int64, device=chunk.device).mul_(_GOLDEN).bitwise_or_(1)
             self._mult = mult.to(torch.int32)  # the low 32 bits: still odd
         acc = torch.zeros((), dtype=torch.int64, device=chunk.device)
-        for k, lo in enumerate(range(0, bits.numel(), PIECE)):
-            piece = bits[lo : lo + PIECE]
-            # copy=True: a 32-bit chunk's int32 view is the parameters themselves
-            term = piece.to(torch.int32, copy=True).mul_(self._mult[: piece.numel()]).sum(dtype=torch.int32)
-            acc.add_(term.to(torch.int64) * (2 * k + 1))  # each piece modulo 2**32
+        step = PIECE * ROWS
+        for lo in range(0, bits.numel(), step):  # ROWS whole pieces per kernel (few launches), then the tail
+            block = bits[lo : lo + step]
+            rows, tail = divmod(block.numel(), PIECE)
+            k0 = lo // PIECE
+            if rows:
+                # copy=True: a 32-bit chunk's int32 view is the parameters themselves
+                terms = block[: rows * PIECE].to(torch.int32, copy=True).view(rows, PIECE).mul_(self._mult)
+                weights = torch.arange(2 * k0 + 1, 2 * (k0 + rows), 2, dtype=torch.int64, device=chunk.device)
+                acc.add_((terms.sum(1, dtype=torch.int32).to(torch.int64) * weights).sum())  # each piece mod 2**32
+            if tail:
+                term = block[rows * PIECE :].to(torch.int32, copy=True).mul_(self._mult[:tail]).sum(dtype=torch.int32)
+                acc.add_(term.to(torch.int64) * (2 * (k0 + rows) + 1))
         return acc
 
     def take(self) -> list[Tensor]:
@@ -94,15 +101,11 @@ class ShardPrints:
     def changed(self) -> tuple[list[Tensor], list[tuple[int, int]]]:
         """(the fingerprints now, the (group, bucket) chunks that changed since ``record``): one small read."""
         now = self.take()
-        if self._prints is None:
+        if self._prints is None or not now:
             return now, []
-        diff = torch.cat([a != b for a, b in zip(now, self._prints)]).cpu() if now else torch.zeros(0, dtype=torch.bool)
-        out, at = [], 0
-        for gi, p in enumerate(now):
-            for bi in range(p.numel()):
-                if bool(diff[at]):
-                    out.append((gi, bi))
-                at += 1
+        diff = torch.cat([a != b for a, b in zip(now, self._prints)]).tolist()  # one small device-to-host read
+        keys = [(gi, bi) for gi, p in enumerate(now) for bi in range(p.numel())]
+        out = [key for key, d in zip(keys, diff) if d]
         return now, out
 
     def adopt(self, chunks: list[tuple[int, int]], share: Optional[DeviceShare]) -> None:
@@ -112,22 +115,15 @@ class ShardPrints:
         for gi, bi in chunks:
             fg = self.groups[gi]
             b = fg.layout.buckets[bi]
-            live, host = self._chunks(gi)[bi], fg.master_chunk(bi)
+            live, host = fg.param_chunk(bi), fg.master_chunk(bi)
             if share is not None and share.owns(gi, b.shard_offset):
                 g = share.group(gi)
                 lo = b.shard_offset - g.split
-                _merge(live, g.master[lo : lo + b.chunk])
+                merge_param_writes(live, g.master[lo : lo + b.chunk])
                 if g.out16 is not None:
                     g.out16[lo : lo + b.chunk].copy_(live)
                 if not is_placeholder(fg.master):
                     host.copy_(g.master[lo : lo + b.chunk])
             else:
-                _merge(live.to(host.device), host)
+                merge_param_writes(live, host)
 
-
-def _merge(live: Tensor, master: Tensor) -> None:
-    """zero/flat_group.py's rule: 16-bit compute takes the elements that differ from the rounded master."""
-    if live.dtype == master.dtype:
-        master.copy_(live)
-    else:
-        torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)

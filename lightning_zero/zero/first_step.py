@@ -15,16 +15,17 @@ unit and direction, in the first step only.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from lightning_zero.comm import collectives as C
 
 
-def check_same_unit(index: int, names: Sequence[str], group: Optional[C.ProcessGroup], device: torch.device,
+def check_same_unit(index: int, units: Sequence[Any], group: Optional[C.ProcessGroup], device: torch.device,
                     where: str) -> None:
-    """Raise on every rank of ``group`` if its ranks are about to gather different units (see the Note)."""
+    """Raise on every rank of ``group`` if its ranks are about to gather different units (see the Note);
+    ``units``: stage 3's units, by index (their names go into the error)."""
     n = C.world_size(group)
     if n == 1:
         return
@@ -32,7 +33,7 @@ def check_same_unit(index: int, names: Sequence[str], group: Optional[C.ProcessG
     C.all_gather(every, torch.full((1,), index, dtype=torch.int64, device=device), group)
     seen = every.tolist()
     if len(set(seen)) > 1:
-        ranks = "; ".join(f"rank {r} `{names[i]}`" for r, i in enumerate(seen))
+        ranks = "; ".join(f"rank {r} `{units[i].name}`" for r, i in enumerate(seen))
         raise RuntimeError(
             f"ZeRO-3: in the first training step the ranks entered different modules ({ranks}; this rank in its "
             f"{where}). "

@@ -158,16 +158,17 @@ class FlatParamGroup(ShardViews):
         element changed: the value the user set is exact, as a checkpoint load restarts the words."""
         if self.shares_master:  # the parameters are the master
             return
-        shard = self.shard if self.layout.num_shards > 1 else 0
         for bi, b in enumerate(self.layout.buckets):
-            lo, hi = b.chunk_range(shard)
-            live, master = self.flat_param[lo:hi], self.master_chunk(bi)
+            live, master = self.param_chunk(bi), self.master_chunk(bi)
             if comp is not None:
                 comp[b.shard_offset : b.shard_offset + b.chunk].masked_fill_(live != master, 0)
-            if live.dtype == master.dtype:
-                master.copy_(live)
-            else:
-                torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)
+            merge_param_writes(live, master)
+
+    def param_chunk(self, bucket_index: int) -> Tensor:
+        """This rank's chunk of bucket ``bucket_index`` in ``flat_param`` (the parameters' values that
+        :meth:`master_chunk` holds the master of)."""
+        lo, hi = self.layout.buckets[bucket_index].chunk_range(self.shard if self.layout.num_shards > 1 else 0)
+        return self.flat_param[lo:hi]
 
     # --- gradient storage -----------------------------------------------------------------------
     def attach_full_grad(self, dtype: torch.dtype) -> None:
@@ -190,3 +191,13 @@ class FlatParamGroup(ShardViews):
             view = cached[1][slot_index] = self.param_view(slot_index, self.flat_grad)
         return view
 
+
+def merge_param_writes(live: Tensor, master: Tensor) -> None:
+    """[Note: writes outside the optimizer]'s rule, ``live`` (the parameters' chunk) into ``master`` (any
+    device): the same dtype copies; 16-bit compute takes only the elements that differ from the rounded
+    master, so untouched elements keep their full-precision bits."""
+    live = live.to(master.device)
+    if live.dtype == master.dtype:
+        master.copy_(live)
+    else:
+        torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)

@@ -328,8 +328,7 @@ class Stage3Engine(Stage2Engine):
         """First step: the ranks agree on the unit before its gather (first_step.py [Note: units skipped in the
         first step]); only where the gather issues a collective (persistent or gathered units issue none)."""
         if unit.buckets and unit.index not in self._gathered and not (unit.persistent or unit.held_for_step):
-            check_same_unit(unit.index, [u.name for u in self.units], self._gather_groups[unit.buckets[0][0]],
-                            self.device, where)
+            check_same_unit(unit.index, self.units, self._gather_groups[unit.buckets[0][0]], self.device, where)
 
     def _unit_backward_done(self, unit: Unit) -> None:
         """The gradients of a unit's inputs are computed: its backward no longer needs its weights."""

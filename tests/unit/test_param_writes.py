@@ -146,13 +146,22 @@ def test_a_weight_changed_after_backward_under_offload() -> None:
         _fit(ZeroStrategy(stage=2, **OFFLOAD["cpu_in_backward"]), EditBeforeOptimizerStep())
 
 
+def _group(flat: torch.Tensor, layout: Any, shard: int) -> SimpleNamespace:
+    """The pieces of a FlatParamGroup that ShardPrints reads, over ``flat``."""
+    from lightning_zero.zero.flat_group import FlatParamGroup
+
+    group = SimpleNamespace(flat_param=flat, layout=layout, shard=shard)
+    group.param_chunk = lambda bi: FlatParamGroup.param_chunk(group, bi)  # type: ignore[arg-type]
+    return group
+
+
 def test_fingerprints_name_exactly_the_changed_chunks() -> None:
     """offload/param_writes.py: every one-element change (a sign, the lowest bit) shows in its own bucket's
     fingerprint and no other; an untouched buffer shows none (so nothing is copied to the host)."""
     layout = build_layout([40, 24], num_shards=2, bucket_numel=32)
     assert len(layout.buckets) > 1
     flat = torch.randn(layout.total).to(torch.bfloat16)
-    prints = ShardPrints([SimpleNamespace(flat_param=flat, layout=layout, shard=1)])
+    prints = ShardPrints([_group(flat, layout, 1)])
     prints.record()
     assert prints.changed()[1] == []
     for bi, b in enumerate(layout.buckets):
@@ -167,5 +176,5 @@ def test_fingerprints_name_exactly_the_changed_chunks() -> None:
         assert prints.changed()[1] == []
     fp32 = torch.randn(layout.total)
     before = fp32.clone()
-    ShardPrints([SimpleNamespace(flat_param=fp32, layout=layout, shard=0)]).take()
+    ShardPrints([_group(fp32, layout, 0)]).take()
     assert torch.equal(fp32, before)  # fingerprinting reads the parameters only (an int32 view is them)
