@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="prompts per forward (--offload)")
     p.add_argument("--peer-accelerate", action="store_true", help="--offload: also HF Accelerate's CPU offload")
     p.add_argument("--peer-gpu-gib", type=float, default=4.0, help="GPU memory Accelerate may fill (the rest offloads)")
+    p.add_argument("--peer-new-tokens", type=int, default=None,
+                   help="--peer-accelerate: tokens per timed generate of the peer (default --new-tokens; 2 times one "
+                        "decode step, which at the 70B shape takes Accelerate tens of seconds)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (run under torchrun, see above)")
     return p.parse_args(argv)
 
@@ -96,14 +99,22 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
     cfg = LlamaConfig(**dims, max_position_embeddings=args.prompt + args.new_tokens + 8)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype).eval()
+    model = model.to(dtype).to_empty(device=device).eval()  # allocated once, in the compute dtype
     gen = torch.Generator(device=device).manual_seed(0)
+    # on the host, torch draws normal_ on one thread (minutes for the 70B shape's 35B weights of the host
+    # peer): one 4M-element draw is tiled over every weight instead, a parallel copy (timing needs no more)
+    tile = torch.empty(1 << 22, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen) \
+        if device.type == "cpu" else None
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
-            else:
+            elif tile is None:
                 p.normal_(0.0, 0.02, generator=gen)
+            else:
+                flat = p.view(-1)
+                for i in range(0, flat.numel(), tile.numel()):
+                    flat[i : i + tile.numel()].copy_(tile[: flat.numel() - i])
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg).to(device)  # to_empty left its buffers unset
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -258,7 +269,7 @@ def accelerate_offload_rate(args: argparse.Namespace, device: torch.device,
         batch = batch.to(device)
         mask = torch.ones_like(batch)
         run = lambda k: model.generate(batch, attention_mask=mask, max_new_tokens=k, do_sample=False)  # noqa: E731
-        rates.append(decode_rate(run, args.new_tokens, 1, device))
+        rates.append(decode_rate(run, args.peer_new_tokens or args.new_tokens, 1, device))
     return args.batch * sorted(rates)[len(rates) // 2]
 
 

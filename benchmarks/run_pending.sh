@@ -143,15 +143,51 @@ case "$CALL" in
       -k "ring and four" -p no:cacheprovider > "$OUT/ring_nccl.log" 2>&1; mark ring_nccl $?
     ;;
   Q)
-    LZ_TEST_ACCELERATOR=gpu timeout 200 python3 -m pytest -q tests/quant/test_zeropp.py -p no:cacheprovider \
+    # 1) the parity suite over NCCL (2 and 4 ranks); 2) qgZ alone and qwZ alone side by side on 2 GPUs each
+    # (global batch 8 x 1024 as in F: 2 ranks x 4), 1,000 steps; 3) the three together on 4 GPUs again (F's
+    # departing run, to see that it repeats). Train loss and grad norm every 10 steps in each run's TensorBoard.
+    LZ_TEST_ACCELERATOR=gpu timeout 140 python3 -m pytest -q tests/quant/test_zeropp.py -p no:cacheprovider \
       > "$OUT/zeropp_nccl.log" 2>&1; mark zeropp_nccl $?
-    ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024 data.batch_size=2
-      trainer.max_steps=1000 trainer.devices=4 trainer.val_check_interval=500 trainer.limit_val_batches=16
+    ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024
+      trainer.max_steps=1000 trainer.val_check_interval=500 trainer.limit_val_batches=16 trainer.log_every_n_steps=10
       trainer.num_sanity_val_steps=0 checkpoint.enabled=false seed=1234"
-    for v in "strategy.hpz_partition_size=2" "strategy.quantized_gradients=int4" "strategy.quantized_weights=int8"; do
-      timeout 150 python3 examples/train.py strategy=zero3 $ARGS $v hydra.run.dir="$OUT/${v//[.=]/_}" \
-        > "$OUT/${v//[.=]/_}.log" 2>&1; mark "$v" $?
-    done
+    lane() {  # GPUS PORT NAME OVERRIDES...
+      local gpus=$1 port=$2 name=$3; shift 3
+      CUDA_VISIBLE_DEVICES=$gpus MASTER_PORT=$port timeout 230 python3 examples/train.py strategy=zero3 $ARGS \
+        trainer.devices=2 data.batch_size=4 "$@" hydra.run.dir="$OUT/$name" > "$OUT/$name.log" 2>&1; mark "$name" $?
+    }
+    lane 0,1 29511 qg_alone_2gpu strategy.quantized_gradients=int4 &
+    lane 2,3 29522 qw_alone_2gpu strategy.quantized_weights=int8 &
+    wait
+    timeout $(( $(left) - 5 )) python3 examples/train.py strategy=zero3 $ARGS trainer.devices=4 data.batch_size=2 \
+      strategy.quantized_weights=int8 strategy.quantized_gradients=int4 strategy.hpz_partition_size=2 \
+      hydra.run.dir="$OUT/all_4gpu" > "$OUT/all_4gpu.log" 2>&1; mark all_4gpu $?
+    ;;
+  DEG)
+    # D, E and G side by side on one x4 machine: decode rows on GPU 0, tp 2 latency on GPUs 1-2, the 70B-shape
+    # offload against Accelerate on GPU 3 (host memory: 503 GiB on the x4 kind)
+    ( CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) - 20 )) python3 benchmarks/inference.py --peer-compile --no-cdt \
+        --new-tokens 64 --repeats 2 --quant-skip '' > "$OUT/inference.log" 2>&1; mark inference $? ) &
+    ( CUDA_VISIBLE_DEVICES=1,2 MASTER_PORT=29533 timeout $(( $(left) - 20 )) $TR 2 benchmarks/inference.py --tp 2 \
+        --repeats 2 --new-tokens 64 > "$OUT/inference_tp2.log" 2>&1; mark tp2 $? ) &
+    ( CUDA_VISIBLE_DEVICES=3 timeout $(( $(left) - 20 )) python3 benchmarks/inference.py --offload --batch 16 \
+        --new-tokens 8 --repeats 1 --peer-accelerate --model llama_70b --layers 40 > "$OUT/inference_70b.log" 2>&1
+      mark offload70b $? ) &
+    wait
+    ;;
+  FG)
+    # F's ZeRO++ run to 2,000 steps on GPUs 0-3 and, sharing GPU 3 (G streams over PCIe, F's traffic is NVLink),
+    # G: the 70B-shape offload with Accelerate's row timed over one decode step (--peer-new-tokens 2)
+    ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024 data.batch_size=2
+      trainer.max_steps=2000 trainer.devices=4 trainer.val_check_interval=500 trainer.limit_val_batches=16
+      trainer.log_every_n_steps=10 trainer.num_sanity_val_steps=0 checkpoint.enabled=false seed=1234"
+    ( timeout $(( $(left) - 10 )) python3 examples/train.py strategy=zero3 $ARGS strategy.quantized_weights=int8 \
+        strategy.quantized_gradients=int4 strategy.hpz_partition_size=2 hydra.run.dir="$OUT/zeropp" \
+        > "$OUT/zeropp.log" 2>&1; mark zeropp $? ) &
+    ( CUDA_VISIBLE_DEVICES=3 timeout $(( $(left) - 10 )) python3 benchmarks/inference.py --offload --batch 16 \
+        --new-tokens 8 --repeats 1 --peer-accelerate --peer-new-tokens 2 --model llama_70b --layers 40 \
+        > "$OUT/inference_70b.log" 2>&1; mark offload70b $? ) &
+    wait
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
