@@ -17,6 +17,16 @@ fixes, before torch touches the empty storage (some kernels would crash the proc
 first batch the watch is off (it costs a few microseconds per torch call); a read first made in a
 later step reaches torch, whose error :func:`explain_released_read` rewrites. Watched batches run
 with torch.compile's stance set to eager (compile.py [Note: first batches run eagerly]).
+
+[Note: reads after a step]
+From a step's write-back to the next step's gathers every unit is released (stage3.py ``released_by_step``).
+Code that uses a parameter there, the manual-optimization pattern ``opt.step()`` then ``p.data.clamp_()``
+(PyTorch's WGAN) above all, would read nothing and write into released storage: the change never reaches
+the partitions, so training silently departs from ddp (measured: weights 0.2 apart after 3 steps), or, on a
+GPU, the process crashes. ``p.data`` carries the parameter through ``__get__`` (a version counter of its own
+hides the write from :meth:`Stage3Engine._check_unmodified`), so the first batch's watch sees it and refuses
+it, naming ``gathered_params(module, writeback=True)``, which does the same edit right. Only the first batch
+is watched: a pattern that starts later is not caught.
 """
 
 from __future__ import annotations
@@ -81,10 +91,14 @@ class ReadWatch(TorchFunctionMode):
         super().__init__()
         self.gathering = False
         self.owner: dict[int, tuple["Stage3Engine", "Unit"]] = {}
+        self.any_unit: dict[int, tuple["Stage3Engine", "Unit"]] = {}
+        """Every partitioned parameter, the root unit's too ([Note: reads after a step])."""
         for engine in engines:
-            for unit in engine.units[1:]:
+            for unit in engine.units:
                 for p in unit.params:
-                    self.owner[id(p)] = (engine, unit)
+                    self.any_unit[id(p)] = (engine, unit)
+                    if not unit.is_root:
+                        self.owner[id(p)] = (engine, unit)
         self.found: list[str] = []
         self._stance: Optional[Any] = None
 
@@ -114,18 +128,20 @@ class ReadWatch(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
-        if _name_of(func) not in METADATA:
+        fname = _name_of(func)
+        if fname not in METADATA:
             found: list[Parameter] = []
             _params(args, found)
             _params(kwargs, found)
             for p in found:
+                self._refuse_after_step(p, fname)
                 hit = self.owner.get(id(p))
                 if hit is None:
                     continue
                 engine, unit = hit
+                name = engine.param_names.get(id(p), "a parameter")
                 if unit.resident or unit.persistent or unit.index in engine.running:
                     continue
-                name = engine.param_names.get(id(p), "a parameter")
                 if not self.gathering:
                     if engine.is_gathered(unit):
                         continue
@@ -135,6 +151,19 @@ class ReadWatch(TorchFunctionMode):
                          "outside its forward", unit.name, name)
                 engine.make_resident(unit)
         return func(*args, **kwargs)
+
+
+    def _refuse_after_step(self, p: Parameter, fname: str) -> None:
+        """[Note: reads after a step]: between a step and the next forward, a released unit's parameter
+        is refused on any use; a gathered one (persistent units) on ``.data`` and in-place ops, whose
+        writes the next write-back would discard."""
+        hit = self.any_unit.get(id(p))
+        if hit is None or not hit[0].released_by_step:
+            return
+        engine, unit = hit
+        if not engine.is_gathered(unit) or fname == "data" or fname.endswith("_"):
+            name = engine.param_names.get(id(p), "a parameter")
+            raise ReleasedParameterRead(_after_step_message(name, unit.name, _caller()))
 
 
 def explain_released_read(error: BaseException, released: dict[int, str]) -> Optional[str]:
@@ -177,6 +206,17 @@ def _caller() -> str:
             return f"{file}:{frame.f_lineno} (in {frame.f_code.co_name}): `{code}`"
         frame = frame.f_back  # type: ignore[assignment]
     return ""
+
+
+def _after_step_message(name: str, unit: str, where: str) -> str:
+    """[Note: reads after a step]: a parameter used between ``optimizer.step()`` and the next step's forward."""
+    return (
+        f"ZeRO-3: parameter {name!r} (unit {unit}) was used after optimizer.step() and before the next forward, at "
+        f"{where or 'an unknown place'}. Stage 3 releases every unit at the step, so this read finds no values, and a "
+        "write there (WGAN's `p.data.clamp_()`) would be lost: ddp would keep it. Fix: do it inside "
+        "`with trainer.strategy.gathered_params(module, writeback=True):` (every rank must enter it; it writes your "
+        "changes back into the partitions), or use stage 1 or 2, which follow such writes."
+    )
 
 
 def _message(what: str, where: str) -> str:

@@ -199,15 +199,14 @@ class Stage3Engine(Stage2Engine):
         self.order: list[int] = []
         self._order_frozen = False
         self._last_pos: dict[int, int] = {}
-        self._cursor = 0
-        self._bw_started = False
+        self._cursor, self._bw_started = 0, False
         self._bw_cursor = -1
         """Backward's position in the recorded order (counting down; [Note: units skipped on one rank])."""
         self.running: set[int] = set()
         """Units whose forward is executing now (read_watch.py asks)."""
-        self.live_numel = 0
-        self.max_live_units_seen = 0
-        self.max_live_numel_seen = 0
+        self.live_numel = self.max_live_units_seen = self.max_live_numel_seen = 0
+        self.released_by_step = False
+        """From a step's write-back to the next step's gathers: units hold no values (read_watch.py refuses reads)."""
         self._unit_of_slot = {
             (gi, si): owner[id(fg.params[slot.index])]
             for gi, fg in enumerate(self.groups)
@@ -434,7 +433,7 @@ class Stage3Engine(Stage2Engine):
 
     def begin_step(self) -> None:
         """Gather the root unit (and resident units) for a training, validation, test or predict step."""
-        self._cursor = 0
+        self._cursor, self.released_by_step = 0, False
         self._bw_cursor = len(self.order) - 1
         self._bw_started = False
         self.running.clear()
@@ -475,6 +474,7 @@ class Stage3Engine(Stage2Engine):
     def _write_back(self) -> None:
         self._refresh_shards()
         self.zpp.drop_secondaries()
+        self.released_by_step = True
         for unit in self.units:
             if unit.held_for_step:
                 self.release(unit, force=True)
@@ -485,11 +485,8 @@ class Stage3Engine(Stage2Engine):
     # ---------------------------------------------------------------- user access
     @contextmanager
     def gathered_params(self, module: Optional[nn.Module] = None, writeback: bool = False) -> Generator[None, None, None]:
-        """Gather every unit holding a parameter of ``module`` (default: all) for user code.
-
-        Collective: every rank must enter it. With ``writeback=True`` in-place changes made inside are
-        copied into the shards (every rank must make the same change).
-        """
+        """Gather every unit holding a parameter of ``module`` (default: all) for user code (collective). With
+        ``writeback=True`` in-place changes made inside (the same on every rank) are copied into the shards."""
         wanted = {id(p) for p in (module.parameters() if module is not None else [])}
         units = [u for u in self.units if u.buckets and (module is None or any(id(p) in wanted for p in u.params))]
         already = {u.index for u in units if u.index in self._gathered}
@@ -497,9 +494,11 @@ class Stage3Engine(Stage2Engine):
             if u.index in self._inexact:  # qwZ's quantized copy: user code reads and writes back exact values
                 self.release(u, force=True)
             self.gather(u, exact=True)
+        after_step, self.released_by_step = self.released_by_step, False  # read_watch.py [Note: reads after a step]
         try:
             yield
         finally:
+            self.released_by_step = after_step
             for u in units:
                 if writeback:
                     for gi, bi in u.buckets:

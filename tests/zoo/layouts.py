@@ -20,13 +20,17 @@ ZeRO engine can get wrong.
   ``original0``/``original1`` parameters, spectral norm's power-iteration buffers updated in every
   training forward), a class token and a CLIP-style learnable temperature used directly in ``forward``.
 * :class:`ClampedLM` ("clamped"): weights clamped by the user's code after each step (WGAN's weight
-  clipping through ``.data``, CLIP's temperature clamp under ``no_grad``); stages 0-2 only: stage 3
-  refuses a gathered parameter changed in place and has no storage to change in a released one.
+  clipping through ``.data``, CLIP's temperature clamp under ``no_grad``); stages 0-2 follow such writes;
+  stage 3 refuses them in the first step (zero/read_watch.py [Note: reads after a step]): its units hold no
+  values between the step and the next forward. :class:`ClampedGatheredLM` ("clamped_gathered") makes the same
+  clamps inside ``strategy.gathered_params(module, writeback=True)``, the route that error names, which
+  stage 3 (offload too) follows.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -222,3 +226,22 @@ class ClampedLM(TokenLM):
             p.data.clamp_(-self.CLIP, self.CLIP)
         with torch.no_grad():
             self.logit_scale.clamp_(0, self.MAX_SCALE)
+
+
+class ClampedGatheredLM(ClampedLM):
+    """:class:`ClampedLM`'s clamps inside ``trainer.strategy.gathered_params(self, writeback=True)`` (ddp has no
+    such method: plain clamps there), as stage 3's refusal of the plain ones tells users to write them."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = self.record(lm_loss(self(x), y))
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        gathered = getattr(self.trainer.strategy, "gathered_params", None)
+        with gathered(self, writeback=True) if gathered is not None else nullcontext():
+            for p in self.layers.parameters():
+                p.data.clamp_(-self.CLIP, self.CLIP)
+            with torch.no_grad():
+                self.logit_scale.clamp_(0, self.MAX_SCALE)

@@ -27,7 +27,7 @@ from torch import nn
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
 from tests.zoo.gan import GAN
 from tests.zoo.hf import HFBert, HFT5, hf_gpt2, hf_llama_lora
-from tests.zoo.layouts import ClampedLM, SharedBlocks, TorchEncoder
+from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
 from tests.zoo.nanogpt import NanoGPT
 from tests.zoo.resnet import TorchvisionResNet
 from tests.zoo.vit import TimmViT
@@ -45,6 +45,7 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "encoder": TorchEncoder,
     "shared": SharedBlocks,
     "clamped": ClampedLM,
+    "clamped_gathered": ClampedGatheredLM,
 }
 """Model name -> builder (call it right after seeding; every rank builds the same weights)."""
 

@@ -41,9 +41,14 @@ STAGES: dict[str, list[str]] = {
     "gan": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
     "encoder": ["zero1", "zero2", "zero3", "zero3_offload"],
     "shared": ["zero1", "zero2", "zero3", "zero3_offload"],
-    # weights clamped after the step: stages 0-2 only (tests/zoo/layouts.py), into host masters too (offload/param_writes.py)
+    # weights clamped after the step: stages 0-2 follow them (tests/zoo/layouts.py), into host masters too
+    # (offload/param_writes.py); stage 3 refuses them (REFUSED) and follows them inside gathered_params
     "clamped": ["zero1", "zero2", "zero2_offload", "zero2_partial"],
+    "clamped_gathered": ["zero2", "zero3", "zero3_offload"],
 }
+REFUSED: dict[str, list[str]] = {"clamped": ["zero3"]}
+"""Runs that must stop in their first step with stage 3's error naming the fix (read_watch.py [Note: reads
+after a step]); launched after the model's parity runs."""
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
 NON_GAN_CASES = [c for c in CASES if c[0] != "gan"]
 DETERMINISM = ("resnet", "gan")
@@ -110,7 +115,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ZooRuns]:
 
     def get(model: str) -> ZooRuns:
         if model not in cache:
-            specs = ["ddp"] + (["ddp_again"] if model in DETERMINISM else []) + STAGES[model]
+            specs = ["ddp"] + (["ddp_again"] if model in DETERMINISM else []) + STAGES[model] + REFUSED.get(model, [])
             launch = run_scenario("zoo.train", nprocs=2, params={"model": model, "specs": specs}, timeout=420,
                                   out=Path(tmp_path_factory.mktemp(f"zoo_{model}")), env=ZOO_ENV)
             cache[model] = ZooRuns(model, launch)
@@ -191,7 +196,7 @@ def test_gan_losses_match_ddp(zoo: Callable[[str], ZooRuns], spec: str) -> None:
         assert _rel(r_got["d_losses"], r_ref["d_losses"]) < TOL, (rank, "d", r_got["d_losses"], r_ref["d_losses"])
 
 
-VALIDATES = ("resnet", "encoder", "shared", "clamped")
+VALIDATES = ("resnet", "encoder", "shared", "clamped", "clamped_gathered")
 """Models with a ``validation_step`` (every VAL_EVERY = 4 steps, 2 batches)."""
 
 
@@ -209,10 +214,25 @@ def test_clamped_reference_clamps(zoo: Callable[[str], ZooRuns]) -> None:
     blocks end at WGAN's bound, the temperature (initialised above its bound) below it."""
     from tests.zoo.layouts import ClampedLM
 
-    ref = _succeeded(zoo("clamped").get("ddp"))["weights"]
-    blocks = [v for k, v in ref.items() if k.startswith("layers.")]
-    assert blocks and all(abs(float(v.abs().max()) - ClampedLM.CLIP) < 1e-6 for v in blocks)
-    assert float(ref["logit_scale"]) <= ClampedLM.MAX_SCALE
+    for model in ("clamped", "clamped_gathered"):
+        ref = _succeeded(zoo(model).get("ddp"))["weights"]
+        blocks = [v for k, v in ref.items() if k.startswith("layers.")]
+        assert blocks and all(abs(float(v.abs().max()) - ClampedLM.CLIP) < 1e-6 for v in blocks)
+        assert float(ref["logit_scale"]) <= ClampedLM.MAX_SCALE
+
+
+@pytest.mark.parametrize("model,spec", [(m, s) for m, specs in REFUSED.items() for s in specs])
+def test_weights_changed_after_the_step_are_refused_under_stage3(zoo: Callable[[str], ZooRuns], model: str,
+                                                                 spec: str) -> None:
+    """WGAN's ``p.data.clamp_()`` after ``opt.step()`` under zero3 trained silently apart from ddp (weights 0.2
+    apart after 3 steps: the clamp wrote into released storage, or crashed on a GPU). Now the first step
+    stops on every rank with one error naming the line and ``gathered_params(module, writeback=True)``
+    (whose parity is "clamped_gathered"'s), before any clamp is lost."""
+    run = zoo(model).get(spec)
+    assert run["error"], f"{model}/{spec} trained: the clamp after the step was not refused"
+    assert "used after optimizer.step()" in run["error"], run["error"][-2000:]
+    assert "gathered_params(module, writeback=True)" in run["error"]
+    assert "p.data.clamp_" in run["error"]  # the user's line is named
 
 
 # ------------------------------------------------------------------ memory
