@@ -212,10 +212,11 @@ def _after_step_message(name: str, unit: str, where: str) -> str:
     """[Note: reads after a step]: a parameter used between ``optimizer.step()`` and the next step's forward."""
     return (
         f"ZeRO-3: parameter {name!r} (unit {unit}) was used after optimizer.step() and before the next forward, at "
-        f"{where or 'an unknown place'}. Stage 3 releases every unit at the step, so this read finds no values, and a "
-        "write there (WGAN's `p.data.clamp_()`) would be lost: ddp would keep it. Fix: do it inside "
-        "`with trainer.strategy.gathered_params(module, writeback=True):` (every rank must enter it; it writes your "
-        "changes back into the partitions), or use stage 1 or 2, which follow such writes."
+        f"{where or 'an unknown place'}. Stage 3 releases its units at the step (small persistent ones are gathered "
+        "again, and the next step discards changes to them), so a read there finds no values and a write (WGAN's "
+        "`p.data.clamp_()`) would be lost, where ddp keeps it. Fix: do it inside `with strategy.gathered_params(module, "
+        "writeback=True):` (`trainer.strategy` or `fabric.strategy`; every rank must enter it; it writes your changes "
+        "back into the partitions), or use stage 1 or 2, which follow such writes."
     )
 
 

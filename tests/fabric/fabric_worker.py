@@ -8,7 +8,9 @@ first (index of the first step: data and step counter), save (save a checkpoint 
 into OUT/NAME_ckpt), load (a checkpoint directory to resume from before ``first``), raw (a consolidated
 file for ``fabric.load_raw``), meta=1 (stage 3:
 ``fabric.init_module(empty_init=True)``), precision, inject (rank 1 makes its loss infinite at that
-step). Rank 0 writes OUT/NAME.pt: per-step global losses (mean over ranks of each micro-batch), the
+step), clamp (after each step the blocks' weights are clamped to that bound through ``p.data``, WGAN's
+weight clipping; ``gathered=1`` does it inside ``fabric.strategy.gathered_params(module, writeback=True)``),
+refused=1 (the run must stop with an error: its text is the result, ``{"error": ...}``). Rank 0 writes OUT/NAME.pt: per-step global losses (mean over ranks of each micro-batch), the
 clip norms, full weights at the end, and what the run observed about its parameters.
 
 Data: every step takes one global batch of GLOBAL samples per micro-batch; rank r of W takes rows
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -161,6 +164,12 @@ def fabric_run(name: str, kind: str, opts: dict[str, str], out: str) -> dict[str
             fabric.clip_gradients(model, opt, clip_val=float(opts["clip_value"]))
         opt.step()
         opt.zero_grad()
+        if "clamp" in opts:
+            bound = float(opts["clamp"])
+            gathered = getattr(fabric.strategy, "gathered_params", None) if opts.get("gathered") == "1" else None
+            with gathered(model, writeback=True) if gathered is not None else nullcontext():
+                for p in model.module.blocks.parameters():
+                    p.data.clamp_(-bound, bound)
         skipped.append(getattr(fabric.strategy, "skipped_steps", 0))
         if step == int(opts.get("save", -1)):
             fabric.save(os.path.join(out, f"{name}_ckpt"), {"model": model, "optimizer": opt, "step": step})
@@ -202,7 +211,12 @@ def runs(ctx: ScenarioContext) -> None:
         for key in ("load", "raw"):
             if key in opts and not os.path.isabs(opts[key]):
                 opts[key] = os.path.join(out, opts[key])
-        result = trainer_run(kind[len("trainer-"):], opts) if kind.startswith("trainer-") else fabric_run(name, kind, opts, out)
+        try:
+            result = trainer_run(kind[len("trainer-"):], opts) if kind.startswith("trainer-") else fabric_run(name, kind, opts, out)
+        except Exception as error:  # noqa: BLE001 (a refused run: every rank stops at the same point)
+            if opts.get("refused") != "1":
+                raise
+            result = {"error": f"{type(error).__name__}: {error}"}
         if int(os.environ["RANK"]) == 0:
             save_atomic(result, os.path.join(out, f"{name}.pt"))
         torch.distributed.barrier()

@@ -14,6 +14,8 @@ from tests.helpers.launch import run_worker
 SCENARIO = "fabric.runs"
 STAGES = ["zero1", "zero2", "zero3", "zero3_offload"]
 COMMON = "steps=4,accum=2,clip=0.5"
+CLAMP = "steps=3,accum=1,clip=0,clamp=0.02"
+"""WGAN's weight clipping after each step (fabric_worker.py ``clamp``)."""
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     for kind in ("ddp", "zero1", "zero3"):  # precision.py [Note: clipping by value]
         specs[f"value_{kind}"] = f"{kind}:steps=3,accum=2,clip=0,clip_value=0.01"
     specs["noclip_ddp"] = "ddp:steps=3,accum=2,clip=0"
+    for kind, how in (("ddp", ""), ("zero1", ""), ("zero3", ",gathered=1"), ("zero3_offload", ",gathered=1")):
+        specs[f"clamp_{kind}"] = f"{kind}:{CLAMP}{how}"
+    specs["clamp_refused"] = f"zero3:{CLAMP},refused=1"  # last: it stops inside a step
     return run_worker(tmp, 2, specs, timeout=900, scenario=SCENARIO)
 
 
@@ -85,3 +90,23 @@ def test_fp16_loss_scaling_skips_an_overflow_on_every_rank(runs: dict[str, dict]
 def test_fabric_collectives(runs: dict[str, dict]) -> None:
     assert runs["zero2"]["broadcast"] == 17  # fabric.broadcast from rank 1
     assert runs["zero2"]["losses"][0] == pytest.approx(runs["ddp"]["losses"][0])  # fabric.all_reduce(mean)
+
+
+@pytest.mark.parametrize("kind", ["zero1", "zero3", "zero3_offload"])
+def test_weights_clamped_after_the_step_follow_fabric_ddp(runs: dict[str, dict], kind: str) -> None:
+    """WGAN's ``p.data.clamp_()`` after ``optimizer.step()``: stage 1 follows the write by itself; stage 3 inside
+    ``gathered_params(model, writeback=True)``. The clamp binds (ddp's blocks end at the bound)."""
+    ref, got = runs["clamp_ddp"], runs[f"clamp_{kind}"]
+    blocks = [v for k, v in ref["weights"].items() if k.startswith("blocks.")]
+    assert blocks and max(float(v.abs().max()) for v in blocks) == pytest.approx(0.02)
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-4)
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][k], v, atol=1e-4, rtol=1e-4, msg=f"{kind}: {k}")
+
+
+def test_stage3_refuses_a_clamp_after_the_step_outside_gathered_params(runs: dict[str, dict]) -> None:
+    """Outside ``gathered_params`` the clamp under zero3 wrote into released storage (silently apart from
+    ddp); the first step now stops with the error naming the line and the fix."""
+    error = runs["clamp_refused"].get("error") or ""
+    assert "used after optimizer.step()" in error and "gathered_params(module, writeback=True)" in error, error
+    assert "p.data.clamp_" in error
