@@ -1,32 +1,28 @@
 #!/usr/bin/env bash
-# The device runs still owed to issues #30-#33 after 2026-11-28's sessions, one device call each (<= 9.5 min).
-# Done at 16:41-17:10 (RESULTS.md): A and D2 (as AD), F's zero3 run, the 4-rank ring tests, C's zero3/fsdp rows.
-# Next, in this order: Q (x4), D (x1), C (x4), B (x4), E (x2), G (x2 host), then F's ZeRO++ run once Q explains it.
+# The device runs still owed to issues #30, #32, #33 after 2026-11-28's sessions, one device call each (<= 9.5 min).
+# Done at 20:01-20:29 (RESULTS.md): Q, DEG (D, E and G side by side), FG (F's ZeRO++ run to 2,000 steps, G's
+# Accelerate row): #31's figures are all in. Next, in this order: T (x4), C (x4), B (x4).
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
-#   Q  (4 GPUs) #33: ZeRO++ trained to a 9% lower validation loss than zero3 by step 1,000 on 4 H200s (2026-11-28
-#      16:55), the opposite of every CPU run (noise slows it there): the ZeRO++ parity suite over NCCL at 2 and 4
-#      ranks, then each switch alone for 1,000 steps of F's run (val at 500, 1000) to find the one that differs.
-#   D  (1 GPU) #31: decode rows (int8 and int4 through the GEMV v2, the head quantized too, gpt-fast's recipe;
-#      the 16:45 rows hit a graph break in the GEMV's check, fixed in 90729c0).
+#   T  (4 GPUs) #33: ZeRO++ (qwZ + qgZ + hpZ) trained to an 11% lower validation loss than zero3 at 2,000 steps on
+#      4 H200s (FG), while qwZ alone and qgZ alone (2 GPUs, Q) stayed within 1%: benchmarks/zeropp_track.py at F's
+#      size (the per-step distance of each switch and of the two-level qgZ from zero3, beside zero3 run twice),
+#      then zero3 again for 1,000 steps of F's run (zero3's own run-to-run spread at step 1,000: ZeRO++'s three
+#      runs spread 7.9% there).
 #   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape: DeepSpeed's and our async save (ours and fsdp's:
 #      17:01); #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write.
 #   B  (4 GPUs) #30: SP against DeepSpeed ALST again after the host-sync fixes (32K, 128K); #32: MoE EP 4 sorted
 #      and capacity dispatch against dense; pipeline sweep (1F1B and interleaved, pp 2 and 4, M = 4, 8, 16).
 #      (Its ring tests passed at 4 ranks on 17:10; they run again first, ~60 s.)
-#   E  (2 GPUs) #31: tp 2 batch-1 latency (eager and compiled; ran past 200 s on 2026-11-28 13:35).
-#   G  (2 GPUs' host: 256 GiB) #31: 70B-shape ZeRO-Inference from host memory against Accelerate (40 of 80 layers).
-#   F  (4 GPUs) #33: the 2,000-step loss of qwZ + qgZ + hpZ against zero3 on the corpus at the FP8 check's size
-#      (~300M GPT, global batch 8 x 1024: 4 ranks x 2; zero3's curve is in RESULTS.md 16:41-17:10).
-#   A, D2, AD, FR, CR: this session's calls, kept as they ran (RESULTS.md 16:41-17:10).
+#   A, D, D2, E, F, G, AD, FR, CR, Q, DEG, FG: earlier calls, kept as they ran (RESULTS.md 16:41-17:10, 20:01-20:29).
 #
 # Each writes its logs under $OUT. NVLink multicast stays off (the lent machines' rule).
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -188,6 +184,15 @@ case "$CALL" in
         --new-tokens 8 --repeats 1 --peer-accelerate --peer-new-tokens 2 --model llama_70b --layers 40 \
         > "$OUT/inference_70b.log" 2>&1; mark offload70b $? ) &
     wait
+    ;;
+  T)
+    timeout 200 $TR 4 benchmarks/zeropp_track.py --steps 6 > "$OUT/track.log" 2>&1; mark track $?
+    ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024 data.batch_size=2
+      trainer.max_steps=1000 trainer.devices=4 trainer.val_check_interval=500 trainer.limit_val_batches=16
+      trainer.log_every_n_steps=10 trainer.num_sanity_val_steps=0 checkpoint.enabled=false seed=1234"
+    timeout $(( $(left) - 5 )) python3 examples/train.py strategy=zero3 $ARGS hydra.run.dir="$OUT/zero3_again" \
+      > "$OUT/zero3_again.log" 2>&1; mark zero3_again $?
+    rm -rf "$OUT"/zero3_again/.hydra "$OUT"/zero3_again/train_ddp_process_*.log  # few files: the TensorBoard run comes back
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
