@@ -40,8 +40,8 @@ class ShardViews:
     """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
 
     def adopt_param_writes(self, comp: Optional[Tensor] = None) -> None:
-        """Stage 3 keeps no full copy between steps: a gathered unit changed in place is refused at its
-        release (stage3.py ``_check_unmodified``). Stages 0-2: :meth:`FlatParamGroup.adopt_param_writes`."""
+        """Stage 3 keeps no full copy between steps: a unit changed in place is refused (inplace_guard.py
+        [Note: in-place writes outside the optimizer]). Stages 0-2: :meth:`FlatParamGroup.adopt_param_writes`."""
 
     def param_view(self, slot_index: int, buffer: Tensor, base: int = 0) -> Tensor:
         """Parameter ``slot_index``'s piece of a flat buffer that starts at flat offset ``base``."""

@@ -23,10 +23,11 @@ From a step's write-back to the next step's gathers every unit is released (stag
 Code that uses a parameter there, the manual-optimization pattern ``opt.step()`` then ``p.data.clamp_()``
 (PyTorch's WGAN) above all, would read nothing and write into released storage: the change never reaches
 the partitions, so training silently departs from ddp (measured: weights 0.2 apart after 3 steps), or, on a
-GPU, the process crashes. ``p.data`` carries the parameter through ``__get__`` (a version counter of its own
-hides the write from :meth:`Stage3Engine._check_unmodified`), so the first batch's watch sees it and refuses
-it, naming ``gathered_params(module, writeback=True)``, which does the same edit right. Only the first batch
-is watched: a pattern that starts later is not caught.
+GPU, the process crashes. ``p.data`` carries the parameter through ``__get__``, so the first batch's watch
+sees it and refuses it, naming ``gathered_params(module, writeback=True)``, which does the same edit right.
+Only the first batch is watched, and the tensor ``p.data`` returns has a version counter of its own, which
+hides a later write from inplace_guard.py [Note: in-place writes outside the optimizer]: a ``.data`` pattern
+that starts after the first step is not caught. In-place ops on the parameter itself are, at any step.
 """
 
 from __future__ import annotations

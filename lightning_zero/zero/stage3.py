@@ -61,6 +61,7 @@ from lightning_zero.config.stage3 import Stage3Config
 from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.engine import _Pending
 from lightning_zero.zero.first_step import check_same_unit
+from lightning_zero.zero.inplace_guard import InPlaceGuard
 from lightning_zero.zero.partition import build_grouped_layout
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
@@ -194,7 +195,7 @@ class Stage3Engine(Stage2Engine):
         ]
         self._pending: dict[int, list] = {}
         self._gathered: set[int] = set()
-        self._versions: dict[int, list[int]] = {}
+        self._inplace = InPlaceGuard(self.param_names)  # [Note: in-place writes outside the optimizer]
         self._grads_left: dict[int, int] = {}
         self.order: list[int] = []
         self._order_frozen = False
@@ -223,6 +224,7 @@ class Stage3Engine(Stage2Engine):
         """All-gather ``unit`` (collective on the parameter group; every rank calls it in the same order);
         quantized under qwZ unless ``exact``, from hpZ's copies where forward kept them (zeropp.py)."""
         if unit.index not in self._gathered:
+            self._inplace.before_gather(unit)
             works, pieces = [], []
             exact = exact or unit.persistent
             secondary = not exact and self.zpp.has_secondary(unit.index)
@@ -259,7 +261,7 @@ class Stage3Engine(Stage2Engine):
         if works is not None:
             for w in works:
                 w.wait()
-            self._versions[unit.index] = [p._version for p in unit.params]
+            self._inplace.gathered(unit)
         due = self._secondary_due.pop(unit.index, None)
         if due is not None:
             self.zpp.keep_secondary(unit.index, due)
@@ -269,26 +271,13 @@ class Stage3Engine(Stage2Engine):
         if unit.index not in self._gathered or ((unit.persistent or unit.resident) and not force):
             return
         self._wait(unit)
-        self._check_unmodified(unit)
+        self._inplace.before_release(unit)
         for gi, bi in unit.buckets:
             self.all_groups[gi].free(bi)
         self._gathered.discard(unit.index)
         self._inexact.discard(unit.index)
-        self._versions.pop(unit.index, None)
+        self._inplace.released(unit)
         self.live_numel -= unit.numel
-
-    def _check_unmodified(self, unit: Unit) -> None:
-        before = self._versions.get(unit.index)
-        if before is None:
-            return
-        for p, v in zip(unit.params, before):
-            if p._version != v:
-                name = self.param_names.get(id(p), "a parameter")
-                raise RuntimeError(
-                    f"ZeRO-3: '{name}' was modified in place outside the optimizer while gathered; the change "
-                    "would be lost when its unit is released. Modify parameters inside "
-                    "`with strategy.gathered_params(module, writeback=True):` instead."
-                )
 
     def _prefetch(self, upcoming: Iterable[int]) -> None:
         for idx in upcoming:
@@ -508,7 +497,7 @@ class Stage3Engine(Stage2Engine):
                         fg.master_chunk(bi).copy_(fg.full[bi][lo - b.start : hi - b.start])
                         if fg.shard16 is not None:
                             fg.shard16[b.shard_offset : b.shard_offset + b.chunk].copy_(fg.master_chunk(bi))
-                    self._versions[u.index] = [p._version for p in u.params]
+                    self._inplace.gathered(u)
                 if u.index not in already:
                     self.release(u)
             if writeback:  # the user set the weights: 16-bit states' Kahan words start again (states16.py)
@@ -572,6 +561,7 @@ class Stage3Engine(Stage2Engine):
         self._gathered.clear()
         self._pending.clear()
         self._inexact.clear()
+        self._inplace.clear()
         self._secondary_due.clear()
         self.zpp.drop_secondaries()
 
