@@ -8,7 +8,7 @@ buckets, bf16-mixed, AdamW at lr 1e-3 and weight decay 0.1, clipping at 1.0: exa
 defect that only shows with large buckets or many units shows here within a few steps, beside the run-to-run
 spread of zero3 itself (``zero3_again``; CUDA's reductions are not deterministic).
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/zeropp_track.py --steps 8
+    PYTHONPATH=. python3 -m torch.distributed.run --standalone --nproc-per-node 4 benchmarks/zeropp_track.py --steps 8
 
 Every config trains from the same initial weights on the same batches. Rank 0 keeps zero3's full fp32 weights
 after each step (host memory) and prints, per config and step: the loss relative to zero3's, the weights'
@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 CONFIGS = {
     "zero3": {}, "zero3_again": {}, "hpz": {"hpz_partition_size": 2},
@@ -64,8 +60,9 @@ def distance(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> floa
 def run(args: argparse.Namespace, name: str, data: torch.Tensor, init: dict[str, torch.Tensor]) -> tuple[list, list]:
     """Train ``args.steps`` steps of config ``name``; returns (global loss, grad norm) per step and, on rank 0,
     the full weights after each step."""
-    from gpt import GPT, GPTConfig
     from lightning.fabric import Fabric
+
+    from examples.gpt import GPT, GPTConfig
 
     import lightning_zero
 
@@ -102,7 +99,7 @@ def run(args: argparse.Namespace, name: str, data: torch.Tensor, init: dict[str,
 
 def main() -> None:
     args = parse_args()
-    from gpt import GPT, GPTConfig
+    from examples.gpt import GPT, GPTConfig
 
     names = args.configs.split(",")
     if names[0] != "zero3":
