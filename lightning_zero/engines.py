@@ -358,6 +358,26 @@ def check_optimizers_own_their_params(optimizers: list[Optimizer], names: dict[i
                     )
 
 
+def check_real_params(optimizers: list[Optimizer], names: dict[int, str]) -> None:
+    """Refuse trainable complex parameters (a Fourier neural operator's spectral weights), before the first step.
+
+    Every stage keeps trainable parameters as views of real flat buffers, so a complex one came back as a real
+    tensor and the model's own forward failed ("expected scalar type ComplexFloat but found Float"), naming
+    nothing of ours. torch's optimizers step a complex parameter as its real view (``torch.view_as_real``),
+    which is the fix offered: the same model stored as real pairs trains as ddp trains the complex one.
+    Frozen complex parameters are left alone (no stage partitions them)."""
+    for opt in optimizers:
+        for pg in opt.param_groups:
+            for p in pg["params"]:
+                if p.is_complex() and p.requires_grad:
+                    raise ValueError(
+                        f"Parameter '{names.get(id(p), '?')}' is complex ({p.dtype}): ZeRO partitions real parameters "
+                        "only. Store it as real pairs, `nn.Parameter(torch.view_as_real(w))`, and use "
+                        "`torch.view_as_complex(self.w)` in forward: torch's optimizers step a complex parameter as "
+                        "exactly that real view, so the model trains as before."
+                    )
+
+
 def check_supported_layers(module: Module) -> None:
     """Refuse, before the first step, layers whose weight ZeRO cannot follow:
 

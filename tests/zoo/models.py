@@ -15,7 +15,9 @@ Shared contract (read by ``tests/zoo/scenarios.py``):
   with ``use_distributed_sampler=False``, as in tests/helpers/parity_model.py).
 
 One file per family: base.py (ZooModule and the synthetic data sets), nanogpt.py, hf.py (GPT-2, Llama + LoRA, T5, BERT),
-vit.py, resnet.py, gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks, parametrizations, weight clamping); this file is the registry the scenarios build from.
+vit.py, resnet.py (and a channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
+parametrizations, weight clamping), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
+pairs); this file is the registry the scenarios build from.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from torch import nn
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
 from tests.zoo.gan import GAN
 from tests.zoo.hf import HFBert, HFT5, hf_gpt2, hf_llama_lora
+from tests.zoo.legacy import LegacyNorms
+from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
 from tests.zoo.nanogpt import NanoGPT
-from tests.zoo.resnet import TorchvisionResNet
+from tests.zoo.resnet import ChannelsLastConvNet, TorchvisionResNet
 from tests.zoo.vit import TimmViT
 
 
@@ -46,6 +50,9 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "shared": SharedBlocks,
     "clamped": ClampedLM,
     "clamped_gathered": ClampedGatheredLM,
+    "legacy_norms": LegacyNorms,
+    "fno": FNO,
+    "channels_last": ChannelsLastConvNet,
 }
 """Model name -> builder (call it right after seeding; every rank builds the same weights)."""
 

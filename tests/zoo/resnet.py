@@ -125,3 +125,38 @@ class TorchvisionResNet(ZooModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+class ChannelsLastConvNet(ZooModule):
+    """``model.to(memory_format=torch.channels_last)`` (timm's ``--channels-last``, torchvision's recipes):
+    every 4-d weight and its gradient has NHWC strides, which a flat buffer must not read as NCHW.
+
+    Lightning's ``ddp`` runs the same net in the default layout: on CPU, torch 2.13's channels_last backward of
+    a strided 1x1 convolution (ResNet's downsample) corrupts the heap with one thread, under ddp as anywhere, so
+    this net has no 1x1 strided convolution and ddp, the oracle, keeps NCHW (the same values, other strides)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, 1, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+        )
+        self.channels_last = False
+
+    def setup(self, stage: str) -> None:
+        self.channels_last = type(self.trainer.strategy).__name__ != "DDPStrategy"
+        if self.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+
+    def train_data(self) -> Dataset:
+        return image_data((3, 32, 32), 10)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        if self.channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        return self.record(F.cross_entropy(self.model(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
