@@ -22,7 +22,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -193,6 +193,22 @@ case "$CALL" in
     timeout $(( $(left) - 5 )) python3 examples/train.py strategy=zero3 $ARGS hydra.run.dir="$OUT/zero3_again" \
       > "$OUT/zero3_again.log" 2>&1; mark zero3_again $?
     rm -rf "$OUT"/zero3_again/.hydra "$OUT"/zero3_again/train_ddp_process_*.log  # few files: the TensorBoard run comes back
+    ;;
+  S1)  # one GPU (2026-11-29, only nvidia-h200 lent): every gpu-marked test after the stage-3 write guards; #30's
+       # non-communication gap: ours against DeepSpeed ALST at SP 1 on 8 layers (after 249af0a's host-sync fixes)
+    python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+      > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
+    python3 benchmarks/sequence.py sp --gpus 1 --layers 8 --seq-lens 32K,128K --steps 3 --config-timeout-s 150 \
+      --budget-s $(( $(left) - 10 )) --out-dir "$OUT/sp1" > "$OUT/sp1.log" 2>&1; mark sp1 $?
+    ;;
+  S2)  # one GPU: #32 item 5 / #33 on the 8B shape cut to 8 layers (the per-layer compute of the 4-GPU figures):
+       # the kernels' ceiling without sharding (single), zero3's cost over it, fsdp, FP8 tensorwise and rowwise
+    python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
+    sed 's/^n_layer: 32/n_layer: 8/' conf/model/gpt_8b.yaml > /tmp/gpt_8b_8l.yaml
+    python3 benchmarks/compile.py --gpus 1 --model /tmp/gpt_8b_8l.yaml --micro-batch 2 --steps 8 --warmup 4 \
+      --configs single_compiled,zero3_compiled,zero3_fp8_compiled,zero3_fp8_rowwise_compiled,fsdp_compiled \
+      --config-timeout-s 150 --budget-s $(( $(left) - 10 )) --out-dir "$OUT/c8l" > "$OUT/c8l.log" 2>&1; mark c8l $?
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
