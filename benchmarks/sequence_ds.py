@@ -124,6 +124,14 @@ def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
             "labels": ids.clone()}
 
 
+def with_shift_labels(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What DeepSpeed's SP adapter hands each rank, for one rank holding the whole sequence: labels shifted
+    left by one, -100 at the end."""
+    labels = batch.pop("labels")
+    batch["shift_labels"] = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    return batch
+
+
 def run(args: argparse.Namespace) -> int:
     base = {"kind": "error", "config": args.config, "rank": int(os.environ.get("RANK", "0")), "seq_len": args.seq_len}
     try:
@@ -162,11 +170,14 @@ def _run(args: argparse.Namespace) -> int:
     local = args.seq_len // args.devices
     mlp_shards = tiles_for(local, dims["hidden_size"])
     patch_tiled_mlp(mlp_shards)
-    mpu = register(args, cfg)
+    # One GPU: ALST without Ulysses (DeepSpeed makes no sequence-parallel group for a degree of 1 and its
+    # adapter then fails with "No sequence parallel group found"): ZeRO-3, tiled MLP, tiled loss, checkpointing.
+    single = args.devices == 1
+    mpu = None if single else register(args, cfg)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3}, "sequence_parallel_size": args.devices,
-        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+        "wall_clock_breakdown": False, **({} if single else {"sequence_parallel_size": args.devices}),
     }
     with deepspeed.zero.Init(config_dict_or_path=ds_config, mpu=mpu):
         llama = LlamaForCausalLM(cfg)
@@ -174,14 +185,20 @@ def _run(args: argparse.Namespace) -> int:
     module = _LossModule(llama, args.chunk_tokens)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0, fused=True if cuda else None)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds_config, mpu=mpu)
-    sp_group = groups._get_sequence_parallel_group()
-    sp_world = groups._get_sequence_parallel_world_size()
-    sp_rank = groups._get_sequence_parallel_rank()
+    if single:
+        sp_group, sp_world, sp_rank = torch.distributed.group.WORLD, 1, 0
+    else:
+        sp_group = groups._get_sequence_parallel_group()
+        sp_world = groups._get_sequence_parallel_world_size()
+        sp_rank = groups._get_sequence_parallel_rank()
     n_steps = args.steps + (1 if args.profile else 0)
     loader = DataLoader(RandomSequence(n_steps * sp_world + 2, args.seq_len, dims["vocab_size"]), batch_size=1,
                         collate_fn=collate)
-    loader = UlyssesSPDataLoaderAdapter(loader, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world,
-                                        device=engine.device)
+    if single:
+        loader = map(with_shift_labels, loader)
+    else:
+        loader = UlyssesSPDataLoaderAdapter(loader, sp_rank=sp_rank, sp_group=sp_group, sp_world_size=sp_world,
+                                            device=engine.device)
 
     def step(batch: dict[str, torch.Tensor]) -> float:
         batch = move_to_device(batch, engine.device)
