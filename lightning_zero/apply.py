@@ -58,6 +58,7 @@ from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import compile_for_strategy
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules
+from lightning_zero.zero.released_guard import guard_state_dicts
 from lightning_zero.zero.shard_comm import ShardComm, is_expert
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
@@ -108,8 +109,8 @@ def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims
     broadcast_module_states(module, dims)
     engines.module = module
     engines.dims = dims
-    engines.orig_dtypes = {k: v.dtype for k, v in module.state_dict().items() if torch.is_tensor(v)}
     engines.remove_guards()
+    engines.orig_dtypes = {k: v.dtype for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
 
 
 def place(module: torch.nn.Module, device: torch.device) -> None:
@@ -192,6 +193,8 @@ def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device
     if has_meta_params(module):  # not fitting, or parameters outside every optimizer
         materialize_modules(list(module.modules()), device)
     precision.cast_module(module)
+    if config.stage == 3:  # state_dict()/load_state_dict() of released modules refuse: zero/released_guard.py
+        engines.guards += guard_state_dicts(module)
     engines.compile_plan = compile_for_strategy(module, engines.inner_units(), config)  # the one call site of torch.compile
     if config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
         apply_activation_offload(module, config.activation_offload_policy, engines.unit_modules())

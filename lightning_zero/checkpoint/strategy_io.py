@@ -157,14 +157,13 @@ class StrategyCheckpoints:
         self._refuse_full_format("A full state dict (checkpoint_format='full', full_state_dict())")
         module = self.engines.module
         assert module is not None
-        state = module.state_dict()
         masters: dict[int, Tensor] = {}
         for engine in self.engines:
             masters.update(zsd.full_master_params(engine))
-        named = module.state_dict(keep_vars=True)
+        named = module.state_dict(keep_vars=True)  # keep_vars: past stage 3's guard (zero/released_guard.py)
         keyed = {k: masters[id(v)] for k, v in named.items() if id(v) in masters}
         out = {}
-        for k, v in state.items():
+        for k, v in named.items():
             value = local_tensor(keyed.get(k, v))  # a DTensor's TP block: made full below (tp_full.py)
             want = self.engines.orig_dtypes.get(k)
             if torch.is_tensor(value) and value.numel() and value.untyped_storage().nbytes() == 0:

@@ -199,6 +199,6 @@ class FabricCheckpoints:
 def _raw_weights(checkpoint: dict[str, Any], module: Module) -> dict[str, Any]:
     """A raw state dict as is; a consolidated lightning_zero (or Lightning) checkpoint's ``state_dict``."""
     inner = checkpoint.get("state_dict")
-    if isinstance(inner, dict) and "state_dict" not in module.state_dict():
+    if isinstance(inner, dict) and "state_dict" not in module.state_dict(keep_vars=True):  # names only
         return inner
     return checkpoint

@@ -63,6 +63,7 @@ from lightning_zero.zero.engine import _Pending
 from lightning_zero.zero.first_step import check_same_unit
 from lightning_zero.zero.inplace_guard import InPlaceGuard
 from lightning_zero.zero.partition import build_grouped_layout
+from lightning_zero.zero.released_guard import guard_released_modules
 from lightning_zero.zero.shard_comm import is_expert, place_param_groups
 from lightning_zero.zero.sharded_group import ShardedParamGroup
 from lightning_zero.zero.stage2 import Stage2Engine
@@ -565,24 +566,3 @@ class Stage3Engine(Stage2Engine):
         self._secondary_due.clear()
         self.zpp.drop_secondaries()
 
-
-def guard_released_modules(model: nn.Module, engine: Stage3Engine) -> list:
-    """After training, calling a module whose parameters are released raises a clear error
-    (instead of a cryptic storage-size error deep inside a matmul)."""
-    unit_of = {id(p): u for u in engine.units for p in u.params}  # by the bookkeeping, not the storage:
-    # a one-rank group's parameters keep theirs (sharded_group.py [Note: one rank aliases its partition])
-
-    def guard(module: nn.Module, args: Any) -> None:
-        if any(id(p) in unit_of and not engine.is_gathered(unit_of[id(p)]) for p in module.parameters(recurse=False)):
-            raise RuntimeError(
-                f"{type(module).__name__}'s parameters are partitioned by ZeRO stage 3 and not gathered here. "
-                "Call the model inside the Trainer, or wrap the call in "
-                "`with trainer.strategy.gathered_params():` (all ranks), or load the full weights from a "
-                "checkpoint (Lightning checkpoints hold a plain state dict)."
-            )
-
-    return [
-        m.register_forward_pre_hook(guard)
-        for m in model.modules()
-        if any(id(p) in unit_of for p in m.parameters(recurse=False))
-    ]

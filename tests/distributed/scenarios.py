@@ -39,3 +39,11 @@ def hf_init(ctx: ScenarioContext) -> dict[str, Any]:
     from tests.distributed.hf_init import run
 
     return run(ctx.world_size, ctx.params["pretrained_dir"])
+
+
+@scenario("distributed.released_state")
+def released_state(ctx: ScenarioContext) -> dict[str, Any]:
+    """``spec``: "zero3" or "zero3_offload"; each rank's ``result``: tests/distributed/released_state.py."""
+    from tests.distributed.released_state import run
+
+    return run(ctx.params["spec"])

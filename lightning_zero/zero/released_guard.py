@@ -1,0 +1,96 @@
+"""What a module whose ZeRO-3 parameters are released refuses outside the strategy, with the fix named.
+
+[Note: released modules refuse, they do not return empty tensors]
+A released stage-3 parameter keeps its shape but its storage has no bytes (sharded_group.py). Anything that reads
+it outside a gather gets no values, and some readers do not notice:
+
+* ``model(x)`` after fit: torch failed deep inside a matmul with a storage-size error. The forward guard
+  (:func:`guard_released_modules`, installed at teardown) names the fix instead.
+* ``model.state_dict()`` (``torch.save(model.state_dict(), ...)`` after fit, a callback saving weights at an epoch's
+  end, peft's ``get_peft_model_state_dict``, HF's ``save_pretrained``): the state dict held zero-byte tensors, and
+  ``torch.save`` wrote them without complaint. The file failed only when loaded, with torch's "Trying to resize
+  storage that is not resizable" (2026-11-29): the trained weights were silently not saved. ``load_state_dict``
+  into released parameters wrote into zero-byte storage. :func:`guard_state_dicts` refuses both, for every
+  module with a parameter released at the moment of the call (the storage decides, not the bookkeeping: one rank's
+  parameters alias its partition and read fine).
+
+The strategy's own readers of the state dict (checkpoints, ``full_state_dict``) call it with ``keep_vars=True``
+for names and identities and take values from the masters, so the guard lets ``keep_vars=True`` through.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class _Units(Protocol):
+    """What the forward guard reads of a stage-3 engine (stage3.py's ``Stage3Engine``)."""
+
+    units: list[Any]
+
+    def is_gathered(self, unit: Any) -> bool: ...
+
+_STATE_FIX = (
+    "Use `trainer.strategy.full_state_dict()` (or `fabric.strategy.full_state_dict()`): the full fp32 weights, on every "
+    "rank (collective, call it on all ranks), or save a checkpoint; inside "
+    "`with trainer.strategy.gathered_params():` (every rank) the module's own state_dict() works too."
+)
+
+
+def _released(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters(recurse=False)
+            if not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0]
+
+
+def guard_state_dicts(model: nn.Module) -> list[RemovableHandle]:
+    """``state_dict()`` and ``load_state_dict()`` of a module whose parameters are released raise, naming the
+    parameter and the fix ([Note: released modules refuse, they do not return empty tensors])."""
+
+    def on_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        names = [] if keep_vars else _released(module)
+        if names:
+            raise RuntimeError(
+                f"'{prefix}{names[0]}' is partitioned by ZeRO stage 3: this rank holds only its shard, so "
+                f"state_dict() here would hold empty tensors (a file saved from it loads nothing). {_STATE_FIX}"
+            )
+
+    def on_load(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        names = [n for n in _released(module) if prefix + n in state_dict]  # the strategy loads the rest this way
+        if names:
+            raise RuntimeError(
+                f"'{prefix}{names[0]}' is partitioned by ZeRO stage 3 and released here, so load_state_dict() has "
+                "nowhere to write it. Load the weights into the model before fit (or with `ckpt_path=`), or inside "
+                "`with trainer.strategy.gathered_params(writeback=True):` on every rank."
+            )
+
+    handles: list[RemovableHandle] = []
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            handles.append(m.register_state_dict_pre_hook(on_save))
+            handles.append(m.register_load_state_dict_pre_hook(on_load))
+    return handles
+
+
+def guard_released_modules(model: nn.Module, engine: _Units) -> list[RemovableHandle]:
+    """After training, calling a module whose parameters are released raises a clear error
+    (instead of a cryptic storage-size error deep inside a matmul)."""
+    unit_of = {id(p): u for u in engine.units for p in u.params}  # by the bookkeeping, not the storage:
+    # a one-rank group's parameters keep theirs (sharded_group.py [Note: one rank aliases its partition])
+
+    def guard(module: nn.Module, args: Any) -> None:
+        if any(id(p) in unit_of and not engine.is_gathered(unit_of[id(p)]) for p in module.parameters(recurse=False)):
+            raise RuntimeError(
+                f"{type(module).__name__}'s parameters are partitioned by ZeRO stage 3 and not gathered here. "
+                "Call the model inside the Trainer, or wrap the call in "
+                "`with trainer.strategy.gathered_params():` (all ranks), or load the full weights from a "
+                "checkpoint (Lightning checkpoints hold a plain state dict)."
+            )
+
+    return [
+        m.register_forward_pre_hook(guard)
+        for m in model.modules()
+        if any(id(p) in unit_of for p in m.parameters(recurse=False))
+    ]
