@@ -30,7 +30,7 @@ ZeRO engine can get wrong.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -215,6 +215,10 @@ class ClampedLM(TokenLM):
             x = x + torch.tanh(layer(x))
         return self.head(x) * self.logit_scale.exp()
 
+    def clamp_context(self) -> AbstractContextManager[None]:
+        """Where the clamps run: as the user wrote them (here: nowhere special)."""
+        return nullcontext()
+
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         opt = self.optimizers()
         x, y = batch
@@ -222,26 +226,17 @@ class ClampedLM(TokenLM):
         opt.zero_grad()
         self.manual_backward(loss)
         opt.step()
-        for p in self.layers.parameters():
-            p.data.clamp_(-self.CLIP, self.CLIP)
-        with torch.no_grad():
-            self.logit_scale.clamp_(0, self.MAX_SCALE)
+        with self.clamp_context():
+            for p in self.layers.parameters():
+                p.data.clamp_(-self.CLIP, self.CLIP)
+            with torch.no_grad():
+                self.logit_scale.clamp_(0, self.MAX_SCALE)
 
 
 class ClampedGatheredLM(ClampedLM):
     """:class:`ClampedLM`'s clamps inside ``trainer.strategy.gathered_params(self, writeback=True)`` (ddp has no
     such method: plain clamps there), as stage 3's refusal of the plain ones tells users to write them."""
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        opt = self.optimizers()
-        x, y = batch
-        loss = self.record(lm_loss(self(x), y))
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
+    def clamp_context(self) -> AbstractContextManager[None]:
         gathered = getattr(self.trainer.strategy, "gathered_params", None)
-        with gathered(self, writeback=True) if gathered is not None else nullcontext():
-            for p in self.layers.parameters():
-                p.data.clamp_(-self.CLIP, self.CLIP)
-            with torch.no_grad():
-                self.logit_scale.clamp_(0, self.MAX_SCALE)
+        return gathered(self, writeback=True) if gathered is not None else nullcontext()
