@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device runs still owed to issues #30, #32, #33 after 2026-11-28's sessions, one device call each (<= 9.5 min).
 # Done at 20:01-20:29 (RESULTS.md): Q, DEG (D, E and G side by side), FG (F's ZeRO++ run to 2,000 steps, G's
-# Accelerate row): #31's figures are all in. Next, in this order: T (x4), C (x4), B (x4).
+# Accelerate row): #31's figures are all in. Done 2026-11-29 00:00-00:20 on one GPU: S1, S2 (and zero3 against ddp
+# on the corpus, inline). Next, in this order: T (x4), C (x4), B (x4).
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
