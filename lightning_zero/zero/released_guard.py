@@ -36,7 +36,8 @@ class _Units(Protocol):
 _STATE_FIX = (
     "Use `trainer.strategy.full_state_dict()` (or `fabric.strategy.full_state_dict()`): the full fp32 weights, on every "
     "rank (collective, call it on all ranks), or save a checkpoint; inside "
-    "`with trainer.strategy.gathered_params():` (every rank) the module's own state_dict() works too."
+    "`with trainer.strategy.gathered_params():` (every rank) the module's own state_dict() works too. For HF or "
+    "peft `save_pretrained`, pass `state_dict=trainer.strategy.full_state_dict()`."
 )
 
 
