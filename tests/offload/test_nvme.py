@@ -204,5 +204,5 @@ def test_teardown_removes_files_and_next_start_cleans_stale(tmp_path: Path) -> N
     assert "NOT checkpoints" in (root / "README.txt").read_text()
     # after teardown the state lives in host memory: checkpoints and evaluation still work
     state = trainer.strategy.full_state_dict()
-    assert set(state) == set(model.state_dict())
+    assert set(state) == set(model.state_dict(keep_vars=True))  # names: stage 3 refuses the values (released_guard.py)
     assert trainer.validate(model, verbose=False)
