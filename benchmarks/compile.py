@@ -47,7 +47,8 @@ DEFAULTS = {
     2: ["ddp_compiled", "zero3_compiled", "fsdp_compiled", "ddp", "zero3", "fsdp"],
 }
 """Compiled runs first (the targets need them), then the eager ones (the speed-ups)."""
-FP8 = ["zero3_fp8_compiled", "zero3_fp8_rowwise_compiled", "zero3_fp8", "zero3_fp8_rowwise"]
+FP8 = ["zero3_fp8_compiled", "zero3_fp8_rowwise_compiled", "zero3_fp8_head_compiled", "zero3_fp8", "zero3_fp8_rowwise",
+       "zero3_fp8_head"]
 """Issue #33's FP8 rows (``--configs``, not by default): fp8 linears (torchao) against ``zero3_compiled``."""
 ALL = sorted({c for cs in DEFAULTS.values() for c in cs} | set(FP8))
 TARGETS: tuple[Target, ...] = (
@@ -101,7 +102,7 @@ def _compile_columns(records: list[dict[str, Any]], rows: list[Row]) -> str:
     by_name = {r.config: r for r in rows}
     lines = ["| peer | eager tokens/s | compiled tokens/s | compile speed-up | graph breaks | unique graphs | compiled blocks | ZeRO-3 plan |",
              "|---|---|---|---|---|---|---|---|"]
-    for peer in ("single", "ddp", "fsdp", "zero3", "zero3_fp8", "zero3_fp8_rowwise"):
+    for peer in ("single", "ddp", "fsdp", "zero3", "zero3_fp8", "zero3_fp8_rowwise", "zero3_fp8_head"):
         eager, comp = by_name.get(peer), by_name.get(f"{peer}_compiled")
         if eager is None and comp is None:
             continue

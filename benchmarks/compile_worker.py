@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 from benchmarks import peers_worker as pw, records, timing  # noqa: E402
 import torch  # noqa: E402
 
-PEER_OF = {f"{p}{s}": p for p in ("single", "ddp", "fsdp", "zero3", "zero3_fp8", "zero3_fp8_rowwise")
+PEER_OF = {f"{p}{s}": p for p in ("single", "ddp", "fsdp", "zero3", "zero3_fp8", "zero3_fp8_rowwise", "zero3_fp8_head")
            for s in ("", "_compiled")}
 """Configuration -> the peers_worker configuration it builds on."""
 

@@ -133,6 +133,8 @@ CONFIGS: dict[str, PeerConfig] = {
         PeerConfig("zero3_bf16kahan", _zero(3, state_precision="bf16_kahan"), build_in="configure_model"),
         PeerConfig("zero3_fp8", _zero(3, fp8="tensorwise"), build_in="configure_model"),
         PeerConfig("zero3_fp8_rowwise", _zero(3, fp8="rowwise"), build_in="configure_model"),
+        # every Linear in fp8, the 128K-vocab head included (torchtitan keeps its output layer in bf16)
+        PeerConfig("zero3_fp8_head", _zero(3, fp8="tensorwise", fp8_keep_first_last=False), build_in="configure_model"),
     )
 }
 """How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""

@@ -88,6 +88,7 @@ PEERS: dict[str, str] = {
     "zero3_bf16kahan": "lightning_zero",
     "zero3_fp8": "lightning_zero",
     "zero3_fp8_rowwise": "lightning_zero",
+    "zero3_fp8_head": "lightning_zero",
 }
 """Every configuration the peer benchmark knows (``*_bf16sr``/``*_bf16kahan``: 16-bit device states,
 zero/states16.py; ``_g16``: bf16 gradient shards; ``*_fp8``: fp8 linears through torchao, tensorwise or
