@@ -33,6 +33,7 @@ class _Units(Protocol):
 
     def is_gathered(self, unit: Any) -> bool: ...
 
+
 _STATE_FIX = (
     "Use `trainer.strategy.full_state_dict()` (or `fabric.strategy.full_state_dict()`): the full fp32 weights, on every "
     "rank (collective, call it on all ranks), or save a checkpoint; inside "
@@ -69,7 +70,7 @@ def guard_state_dicts(model: nn.Module) -> list[RemovableHandle]:
 
     handles: list[RemovableHandle] = []
     for m in model.modules():
-        if any(True for _ in m.parameters(recurse=False)):
+        if next(m.parameters(recurse=False), None) is not None:
             handles.append(m.register_state_dict_pre_hook(on_save))
             handles.append(m.register_load_state_dict_pre_hook(on_load))
     return handles

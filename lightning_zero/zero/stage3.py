@@ -565,4 +565,3 @@ class Stage3Engine(Stage2Engine):
         self._inplace.clear()
         self._secondary_due.clear()
         self.zpp.drop_secondaries()
-

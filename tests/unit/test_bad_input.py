@@ -9,6 +9,7 @@ from lightning.pytorch import Trainer
 import lightning_zero
 from lightning_zero import ZeroPrecision, ZeroStrategy
 from tests.helpers.parity_model import ParityNet
+from tests.zoo.fno import FNO
 
 
 def _trainer(strategy, **kw) -> Trainer:
@@ -110,34 +111,29 @@ def test_frozen_sparse_embedding_is_accepted() -> None:
     assert trainer.global_step == 2
 
 
+
+class _OneProcessFNO(FNO):
+    """tests/zoo's FNO with a plain loader: one process needs no distributed sampler."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(self.train_data(), batch_size=4)
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_trainable_complex_parameter_is_refused_up_front(stage: int) -> None:
     """A Fourier neural operator's complex spectral weights came back from the flat buffers as real tensors
     and the model's own einsum failed ("expected scalar type ComplexFloat but found Float"), naming nothing
     of ours. Now fit stops before the first step naming the parameter and the real-pairs fix, whose parity
     with ddp is tests/zoo "fno"."""
-    from tests.zoo.fno import FNO
-
-    class ComplexFNO(FNO):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.train_data(), batch_size=4)
-
     trainer = _trainer(ZeroStrategy(stage=stage))
     with pytest.raises(ValueError, match=r"^Parameter 'spectral\.0\.weights1' is complex \(torch\.complex64\).*"
                                          r"torch\.view_as_real"):
-        trainer.fit(ComplexFNO(complex_weights=True))
+        trainer.fit(_OneProcessFNO(complex_weights=True))
     assert trainer.global_step == 0
 
 
 def test_frozen_complex_parameter_is_accepted() -> None:
     """No stage partitions a frozen complex parameter: it stays the user's tensor, complex, and trains the rest."""
-    from tests.zoo.fno import FNO
-
-    class FrozenSpectral(FNO):
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(self.train_data(), batch_size=4)
-
-    model = FrozenSpectral(complex_weights=True)
+    model = _OneProcessFNO(complex_weights=True)
     for p in model.spectral.parameters():
         p.requires_grad_(False)
     before = model.spectral[0].weights1.detach().clone()
