@@ -50,7 +50,7 @@ from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.sequence import apply as sequence_apply
 from lightning_zero.sequence.context import SequenceContext
-from lightning_zero.trainer_checks import check_callbacks
+from lightning_zero.trainer_checks import check_callbacks, check_not_compiled_whole
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
@@ -104,6 +104,17 @@ class ZeroStrategy(ParallelStrategy):
         self._sequence: Optional[SequenceContext] = None
 
     # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    def _lightning_module(self) -> Optional["pl.LightningModule"]:
+        return self.__dict__.get("_lz_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, model: Optional["pl.LightningModule"]) -> None:
+        """The Trainer sets the module here right after unwrapping ``torch.compile`` and before its own check,
+        so a module compiled whole is refused with our line ([Note: a LightningModule compiled whole])."""
+        check_not_compiled_whole(model)
+        self.__dict__["_lz_lightning_module"] = model
+
     @property
     @override
     def root_device(self) -> torch.device:

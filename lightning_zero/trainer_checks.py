@@ -23,6 +23,14 @@ Lightning callbacks work behind that partition's back:
 Freezing a parameter by hand mid-training (``requires_grad_(False)`` in a hook) trains as under ddp
 (it gets no gradient and is not stepped: unused.py); unfreezing one that was frozen at setup is refused
 at that step by the engine (it has no partition).
+
+[Note: a LightningModule compiled whole]
+``trainer.fit(torch.compile(model))`` reaches the strategy as the LightningModule with its ``forward`` and
+``*_step`` methods wrapped by dynamo (Lightning's ``from_compiled``), and Lightning then refuses every
+strategy but single-device, ddp and fsdp with a line naming only those three. ZeRO compiles the network
+itself, unit by unit, with its gathers and releases outside the compiled regions (zero/compile.py), so
+the refusal here names that road instead: the uncompiled module and ``compile=True``, or the inner
+network compiled inside the LightningModule, which every stage accepts.
 """
 
 from __future__ import annotations
@@ -65,3 +73,20 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
         for key, cls in classes.items():
             if isinstance(cb, cls):
                 raise ValueError(REFUSED[key].format(name=type(cb).__name__))
+
+
+COMPILED_WHOLE = (
+    "trainer.fit(torch.compile(model)) (or validate, test, predict): a LightningModule compiled whole is not "
+    "accepted by the ZeRO strategy (nor by Lightning for strategies other than single-device, ddp and fsdp). ZeRO compiles the network itself, unit by "
+    "unit, with its parameter gathers outside the compiled regions: pass the LightningModule uncompiled and set "
+    "ZeroStrategy(compile=True) (Hydra: strategy.compile=true; torch.compile's arguments in compile_options), or "
+    "compile the inner network inside the LightningModule (self.net = torch.compile(net)), which every stage accepts."
+)
+"""The refusal of [Note: a LightningModule compiled whole]."""
+
+
+def check_not_compiled_whole(model: Any) -> None:
+    """Raise a RuntimeError when ``model`` is a LightningModule Lightning unwrapped from ``torch.compile``
+    ([Note: a LightningModule compiled whole])."""
+    if getattr(model, "_compiler_ctx", None) is not None:
+        raise RuntimeError(COMPILED_WHOLE)

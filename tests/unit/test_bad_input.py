@@ -141,3 +141,26 @@ def test_frozen_complex_parameter_is_accepted() -> None:
     trainer.fit(model)
     assert trainer.global_step == 2
     assert model.spectral[0].weights1.is_complex() and torch.equal(model.spectral[0].weights1, before)
+
+
+@pytest.mark.parametrize("entry", ["fit", "validate"])
+def test_lightning_module_compiled_whole_is_refused_naming_the_zero_road(entry: str) -> None:
+    """``trainer.fit(torch.compile(model))`` was refused by Lightning with a line naming only single-device, ddp
+    and fsdp; ours names ``compile=True`` and the inner-network compile, before any step (nothing is compiled:
+    the refusal comes first)."""
+    model = ParityNet(checkpointing=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = _trainer(ZeroStrategy(stage=2), limit_val_batches=1)
+    with pytest.raises(RuntimeError, match=r"^trainer\.fit\(torch\.compile\(model\)\).*ZeroStrategy\(compile=True\)"):
+        getattr(trainer, entry)(torch.compile(model))
+    assert trainer.global_step == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_uncompiled_module_still_reaches_the_strategy() -> None:
+    """The strategy's module slot (a property intercepting Lightning's assignment) still holds what fit set."""
+    model = ParityNet(checkpointing=False)
+    trainer = _trainer(ZeroStrategy(stage=1), limit_val_batches=0)
+    trainer.fit(model)
+    assert trainer.strategy.lightning_module is model and trainer.strategy.model is not None
+    assert trainer.global_step == 2
