@@ -43,6 +43,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.config import LossScaleConfig, SequenceConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
+from lightning_zero.layer_sync import apply_layer_sync, revert_layer_sync
 from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel_dims import ParallelDims
@@ -102,6 +103,7 @@ class ZeroStrategy(ParallelStrategy):
         self._placeholders: dict[int, Any] = {}  # zero/grad_window.py, reused from step to step
         self._pipeline: Optional[PipelineIntegration] = None
         self._sequence: Optional[SequenceContext] = None
+        self._layer_synced = False  # layer_sync.py: applied in this fit's setup, reverted at teardown
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -250,6 +252,10 @@ class ZeroStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:  # before any step ([Note: callbacks that edit parameters or param groups mid-training])
             check_callbacks(trainer.callbacks)
+        if fitting and self._layer_sync is not None:  # layer_sync.py [Note: synchronised batch norm]
+            self.model = apply_layer_sync(self._layer_sync, self.model, self.dims.dp_group, self.root_device,
+                                          C.is_initialized())
+            self._layer_synced = True
 
         def optimizers() -> list[Optimizer]:
             self.setup_optimizers(trainer)  # Lightning's configure_optimizers, on the placed module
@@ -557,6 +563,10 @@ class ZeroStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown / registry
     @override
     def teardown(self) -> None:
+        if self._layer_synced and self.model is not None:  # before the engines guard the modules (layer_sync.py)
+            assert self._layer_sync is not None
+            self.model = revert_layer_sync(self._layer_sync, self.model)
+            self._layer_synced = False
         self._close_manual_window()
         self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)

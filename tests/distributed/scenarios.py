@@ -47,3 +47,12 @@ def released_state(ctx: ScenarioContext) -> dict[str, Any]:
     from tests.distributed.released_state import run
 
     return run(ctx.params["spec"])
+
+
+@scenario("distributed.sync_batchnorm")
+def sync_batchnorm(ctx: ScenarioContext) -> dict[str, Any]:
+    """``specs``: a list of tests/distributed/sync_batchnorm.py specs, run in order; each rank's ``result``:
+    ``{spec: what run(spec) returned}``."""
+    from tests.distributed.sync_batchnorm import run
+
+    return {spec: run(spec) for spec in ctx.params["specs"]}

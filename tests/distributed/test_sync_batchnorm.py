@@ -1,0 +1,58 @@
+"""``Trainer(sync_batchnorm=True)`` and LayerSync plugins under the ZeRO strategy train as under ddp (2 gloo ranks;
+tests/distributed/sync_batchnorm.py; lightning_zero/layer_sync.py [Note: synchronised batch norm])."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.compare import max_rel, tensor_rel
+from tests.helpers.harness import run_scenario
+
+SPECS = ["ddp", "zero1", "zero2", "zero3", "zero2_nosync", "torch_sync"]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    run = run_scenario("distributed.sync_batchnorm", nprocs=2, params={"specs": SPECS},
+                       out=Path(tmp_path_factory.mktemp("sync_bn")), timeout=600).check()
+    return run.ranks("result")
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_synced_batch_norm_trains_as_under_ddp(ranks: list[dict], stage: str) -> None:
+    """Before the fix the strategy ignored the plugin: each rank normalised with its own batch's statistics."""
+    for r in ranks:
+        ddp, ours = r["ddp"], r[stage]
+        assert ddp["error"] is None and ours["error"] is None, (ddp["error"], ours["error"])
+        assert len(ours["losses"]) == len(ddp["losses"]) == 6
+        assert max_rel(ours["losses"], ddp["losses"]) < TOL, (ours["losses"], ddp["losses"])
+        assert ours["norms"].keys() == ddp["norms"].keys() and ours["norms"]
+        for k in ddp["norms"]:
+            assert tensor_rel(ours["norms"][k], ddp["norms"][k]) < TOL, k
+        for k in ddp["weights"]:
+            assert tensor_rel(ours["weights"][k], ddp["weights"][k]) < 1e-4, k
+
+
+def test_the_synced_runs_differ_from_an_unsynced_one(ranks: list[dict]) -> None:
+    """The control: without the plugin each rank's statistics are its own, so ddp-with-sync is a real oracle."""
+    for r in ranks:
+        synced, alone = r["ddp"]["norms"], r["zero2_nosync"]["norms"]
+        assert max(tensor_rel(alone[k], synced[k]) for k in synced) > 1e-3
+
+
+def test_the_plugin_is_reverted_after_fit(ranks: list[dict]) -> None:
+    """As ddp does at teardown: the module holds plain BatchNorm2d again (also under stage 3, before its guards)."""
+    for r in ranks:
+        for spec in ("ddp", "zero1", "zero2", "zero3"):
+            assert r[spec]["kinds"] == ["BatchNorm2d"], (spec, r[spec]["kinds"])
+        assert r["zero2"]["world"] == 2
+
+
+def test_torch_sync_batchnorm_on_cpu_is_refused_before_any_step(ranks: list[dict]) -> None:
+    for r in ranks:
+        run = r["torch_sync"]
+        assert run["error"] is not None and "Trainer(sync_batchnorm=True) on the CPU" in run["error"], run["error"]
+        assert run["steps"] == 0
