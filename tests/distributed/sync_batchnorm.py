@@ -8,7 +8,8 @@ torch's ``SyncBatchNorm`` runs on GPUs only, so on the CPU the synchronisation i
 statistics. Lightning's ddp applies the plugin when fit starts and reverts it at teardown; the strategy must
 do the same. The ranks see different samples (Lightning's DistributedSampler), so a norm that is not synced
 trains differently (the ``zero2_nosync`` control). ``torch_sync``: ``Trainer(sync_batchnorm=True)`` on the
-CPU, refused before any step.
+CPU, refused before any step. On GPUs (``LZ_TEST_ACCELERATOR=gpu``) the ``*_torch`` specs use torch's own
+``SyncBatchNorm`` through ``sync_batchnorm=True``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeroStrategy
+from tests.helpers.launch import worker_accelerator
 
 STEPS = 6
 BATCH = 4
@@ -118,17 +120,19 @@ def _norm_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def run(spec: str) -> dict[str, Any]:
-    """``spec``: ddp | zero1 | zero2 | zero3 | zero2_nosync | torch_sync."""
+    """``spec``: ddp | zero1 | zero2 | zero3 (the gloo plugin) | zero2_nosync | torch_sync (refused on the CPU) |
+    ddp_torch | zero1_torch | zero2_torch | zero3_torch (torch's SyncBatchNorm, ``LZ_TEST_ACCELERATOR=gpu``)."""
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     model = BNConvNet()
     kind = "zero2" if spec == "torch_sync" else spec.split("_")[0]
     strategy: Any = "ddp" if kind == "ddp" else ZeroStrategy(stage=int(kind[-1]), param_persistence_threshold=0)
-    plugins = [] if spec.endswith(("_nosync", "torch_sync")) else [GlooSyncBatchNorm()]
+    torch_sync = spec == "torch_sync" or spec.endswith("_torch")  # "<kind>_torch": torch's SyncBatchNorm (GPUs)
+    plugins = [] if torch_sync or spec.endswith("_nosync") else [GlooSyncBatchNorm()]
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, plugins=plugins,
-        sync_batchnorm=spec == "torch_sync",
+        accelerator=worker_accelerator(), devices=2, strategy=strategy, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        plugins=plugins, sync_batchnorm=torch_sync,
     )
     out: dict[str, Any] = {"error": None}
     try:
@@ -140,7 +144,7 @@ def run(spec: str) -> dict[str, Any]:
     out.update(
         losses=list(model.losses), norms=_norm_state(full),
         weights={k: v.detach().float().clone() for k, v in full.items() if "running" not in k},
-        kinds=sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.BatchNorm2d)}),
+        kinds=sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}),
         world=dist.get_world_size() if dist.is_initialized() else 1,
     )
     return out
