@@ -8,10 +8,22 @@ parameter). ``16-mixed`` means fp16 weights with dynamic loss scaling, said plai
 
 The strategy replaces whatever precision plugin Lightning's connector built from ``precision=...``
 with one of these (see ``ZeroStrategy.precision_plugin``).
+
+[Note: two mixed-precision layouts]
+``mixed_precision='cast'`` (the default, config/mixed.py) is the layout above. ``'autocast'`` is Lightning
+ddp's: the engines run exactly as under ``32-true`` (fp32 weights, gradients, reductions and masters; the
+module and its buffers are not cast, inputs are not converted) and the step contexts Lightning enters
+around ``training_step`` and the evaluation steps (``forward_context``) are ``torch.autocast`` in the 16-bit
+dtype. ddp's ``bf16-mixed`` is the same autocast over the same fp32 weights, so the two train alike to fp32
+rounding, where the cast layout differs by design (16-bit BatchNorm statistics and rotary ``inv_freq``,
+16-bit gradient reductions). ``16-mixed`` keeps its dynamic loss scaling (fp16 activations still underflow);
+the engines unscale as under the cast layout. ``compute_dtype`` is what the engines lay out (fp32 here);
+``autocast_dtype`` is what the forward computes in.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
 import torch
@@ -48,6 +60,11 @@ class ZeroPrecision(Precision):
             )
         self.precision = precision  # type: ignore[assignment]
         self.compute_dtype: torch.dtype = _DTYPES[precision]
+        self.autocast_dtype: Optional[torch.dtype] = None
+        """Under ``mixed_precision='autocast'``: the dtype of ``torch.autocast`` around the steps ([Note: two
+        mixed-precision layouts]); None: no autocast (the cast layout, or ``32-true``)."""
+        self.device_type = "cuda"
+        """The device type autocast runs on (the strategy sets its root device's)."""
         if isinstance(loss_scale, dict):
             loss_scale = LossScaleConfig(**loss_scale)
         self.scaler: Optional[DynamicLossScaler] = (
@@ -68,9 +85,28 @@ class ZeroPrecision(Precision):
             f"pass Trainer(precision=...) with one of {list(VALID_PRECISIONS)}."
         )
 
+    def use_autocast(self, on: bool, device_type: Optional[str] = None) -> "ZeroPrecision":
+        """Switch between the two layouts of [Note: two mixed-precision layouts] (no effect under ``32-true``);
+        returns ``self``. Called by the strategies from their config before the engines exist."""
+        dtype = _DTYPES[str(self.precision)]
+        mixed = dtype != torch.float32
+        self.autocast_dtype = dtype if on and mixed else None
+        self.compute_dtype = torch.float32 if on else dtype
+        if device_type is not None:
+            self.device_type = device_type
+        return self
+
     @property
     def is_mixed(self) -> bool:
+        """Whether the module computes in 16-bit weights (the cast layout); False under autocast."""
         return self.compute_dtype != torch.float32
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        """``torch.autocast`` under ``mixed_precision='autocast'``; nothing otherwise (the weights are the dtype)."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype, cache_enabled=False)  # as Lightning's
 
     def cast_module(self, module: Module) -> Module:
         """The module in the compute dtype (the strategy calls it once the engines hold fp32 masters).

@@ -51,12 +51,12 @@ from lightning_zero.pipeline.integration import PipelineIntegration
 from lightning_zero.precision import ZeroPrecision
 from lightning_zero.sequence import apply as sequence_apply
 from lightning_zero.sequence.context import SequenceContext
-from lightning_zero.trainer_checks import check_callbacks, check_not_compiled_whole
+from lightning_zero.trainer_checks import RefusesCompiledWhole, check_callbacks
 from lightning_zero.uneven import check_eval_lengths, check_training_epoch, gather_lengths
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.grad_window import partitioned_grads
-from lightning_zero.zero.materialize import params_on_meta
+from lightning_zero.zero.materialize import has_meta_tensors, params_on_meta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ENGINES", "ZeroStrategy"]
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(RefusesCompiledWhole, ParallelStrategy):
     """DeepSpeed's ZeRO for Lightning, on torch.distributed. ``Trainer(strategy=ZeroStrategy(stage=2))``.
 
     Options are the fields of :class:`lightning_zero.config.ZeroConfig` (an unknown one is an error
@@ -106,17 +106,6 @@ class ZeroStrategy(ParallelStrategy):
         self._layer_synced = False  # layer_sync.py: applied in this fit's setup, reverted at teardown
 
     # ------------------------------------------------------------------ Lightning plumbing
-    @property
-    def _lightning_module(self) -> Optional["pl.LightningModule"]:
-        return self.__dict__.get("_lz_lightning_module")
-
-    @_lightning_module.setter
-    def _lightning_module(self, model: Optional["pl.LightningModule"]) -> None:
-        """The Trainer sets the module here right after unwrapping ``torch.compile`` and before its own check,
-        so a module compiled whole is refused with our line ([Note: a LightningModule compiled whole])."""
-        check_not_compiled_whole(model)
-        self.__dict__["_lz_lightning_module"] = model
-
     @property
     @override
     def root_device(self) -> torch.device:
@@ -216,7 +205,7 @@ class ZeroStrategy(ParallelStrategy):
         zp = ZeroPrecision.from_plugin(plugin)
         if zp is not plugin and self._loss_scale is not None and zp.scaler is not None:
             zp = ZeroPrecision(zp.precision, self._loss_scale)
-        self._precision_plugin = zp
+        self._precision_plugin = zp.use_autocast(self.config.autocast)  # precision.py [Note: two mixed-precision ...]
 
     @override
     def _configure_launcher(self) -> None:
@@ -247,6 +236,7 @@ class ZeroStrategy(ParallelStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None and self.dims is not None
         self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type  # autocast's device (mixed_precision='autocast')
         if self._pipeline is not None:  # this stage's layers only, tied copies made equal
             self._pipeline.prepare(self.model)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -570,7 +560,7 @@ class ZeroStrategy(ParallelStrategy):
         self._close_manual_window()
         self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
-        if not len(self._zero) and not _has_meta_tensors(self.lightning_module):
+        if not len(self._zero) and not has_meta_tensors(self.lightning_module):
             super().teardown()
             return
         # Lightning's teardown moves the module and optimizer state to the CPU. Not here: the engines
@@ -598,12 +588,3 @@ def _loop_kind(trainer: Optional["pl.Trainer"]) -> Optional[str]:
         if flag:
             return kind
     return None
-
-
-def _has_meta_tensors(module: Optional[Any]) -> bool:
-    """Whether a module built in ``configure_model`` is still on the meta device (setup failed before the engines
-    materialised it): Lightning's teardown would move it to the CPU and raise "Cannot copy out of meta tensor", hiding
-    the error that stopped setup."""
-    if module is None:
-        return False
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

@@ -35,7 +35,7 @@ network compiled inside the LightningModule, which every stage accepts.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 REFUSED: dict[str, str] = {
     "BaseFinetuning": (
@@ -90,3 +90,19 @@ def check_not_compiled_whole(model: Any) -> None:
     ([Note: a LightningModule compiled whole])."""
     if getattr(model, "_compiler_ctx", None) is not None:
         raise RuntimeError(COMPILED_WHOLE)
+
+
+class RefusesCompiledWhole:
+    """Mixin of the Trainer strategy: its module slot refuses a LightningModule compiled whole.
+
+    The Trainer sets ``strategy._lightning_module`` right after unwrapping ``torch.compile`` and before its own
+    check, so the refusal here comes first, with our line ([Note: a LightningModule compiled whole])."""
+
+    @property
+    def _lightning_module(self) -> Optional[Any]:
+        return self.__dict__.get("_lz_lightning_module")
+
+    @_lightning_module.setter
+    def _lightning_module(self, model: Optional[Any]) -> None:
+        check_not_compiled_whole(model)
+        self.__dict__["_lz_lightning_module"] = model

@@ -12,6 +12,7 @@ from lightning_zero.config.decode import DecodeConfig
 from lightning_zero.config.fp8 import Fp8Config
 from lightning_zero.config.inference import InferenceConfig
 from lightning_zero.config.launch import LaunchConfig
+from lightning_zero.config.mixed import MixedPrecisionConfig
 from lightning_zero.config.offload import OffloadConfig
 from lightning_zero.config.parallel import ParallelConfig
 from lightning_zero.config.quantization import QuantCommConfig
@@ -24,6 +25,6 @@ from lightning_zero.config.strategy import SECTIONS, VALID_STAGES, LossScaleConf
 __all__ = [
     "ZeroConfig", "LossScaleConfig", "VALID_STAGES", "SECTIONS", "StageConfig", "Stage3Config", "OffloadConfig",
     "StepConfig", "CheckpointConfig", "ActivationConfig", "CompileConfig", "ParallelConfig", "LaunchConfig", "SequenceConfig",
-    "QuantCommConfig", "InferenceConfig", "StatePrecisionConfig", "Fp8Config",
+    "QuantCommConfig", "InferenceConfig", "StatePrecisionConfig", "Fp8Config", "MixedPrecisionConfig",
     "DecodeConfig",
 ]

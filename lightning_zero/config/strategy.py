@@ -30,6 +30,7 @@ from lightning_zero.config.compile import COMPILE_ARGS, CompileConfig
 from lightning_zero.config.fp8 import Fp8Config
 from lightning_zero.config.inference import InferenceConfig
 from lightning_zero.config.launch import LaunchConfig
+from lightning_zero.config.mixed import MixedPrecisionConfig
 from lightning_zero.config.offload import VALID_OFFLOAD, OffloadConfig
 from lightning_zero.config.parallel import VALID_SCHEDULES, ParallelConfig
 from lightning_zero.config.quantization import QuantCommConfig
@@ -67,6 +68,7 @@ class StageConfig:
 SECTIONS: tuple[type, ...] = (
     StageConfig, Stage3Config, ActivationConfig, ParallelConfig, OffloadConfig, CompileConfig, LaunchConfig,
     CheckpointConfig, StepConfig, SequenceConfig, QuantCommConfig, InferenceConfig, StatePrecisionConfig, Fp8Config,
+    MixedPrecisionConfig,
 )
 """ZeroConfig's concerns, in the order their validation runs (the order of the checks before the split, so
 the first error reported for a config with several is, but for rare mixes, the same)."""
@@ -79,7 +81,7 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
+class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
                  ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
@@ -128,6 +130,7 @@ class ZeroConfig(Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConf
             raise ValueError(f"compile with tensor_parallel={self.tensor_parallel} is not built yet.")
         self._validate_zeropp()
         self._validate_fp8()
+        self._validate_autocast()
         if self.expert_parallel > 1 and self.offloads:
             raise ValueError(f"expert_parallel={self.expert_parallel} with offload_optimizer/offload_params is not built yet.")
         OffloadConfig.validate_choices(self)
@@ -180,6 +183,19 @@ class ZeroConfig(Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConf
         for name, value in others.items():
             if value > 1:
                 raise ValueError(f"fp8={recipe!r} with {name}={value} is not built yet.")
+
+    def _validate_autocast(self) -> None:
+        """``mixed_precision='autocast'`` keeps fp32 weights (config/mixed.py): what computes from 16-bit weights
+        cannot combine with it."""
+        if self.mixed_precision != "autocast":
+            return
+        lowp = {"fp8": Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8,
+                "state_precision": None if self.state_precision == "fp32" else self.state_precision,
+                "offload_state_precision": None if self.offload_state_precision == "fp32" else self.offload_state_precision}
+        for name, value in lowp.items():
+            if value is not None:
+                raise ValueError(f"{name}={value!r} computes from bf16 weights, and mixed_precision='autocast' keeps them "
+                                 "fp32: use mixed_precision='cast' (the default) with it.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ZeroConfig":

@@ -31,7 +31,7 @@ class ZeroFabricPrecision(ZeroPrecision):
 
     @override
     def convert_output(self, data: Any) -> Any:
-        if not self.is_mixed:
+        if not self.is_mixed and self.autocast_dtype is None:  # autocast: fp32 out, as Fabric's MixedPrecision
             return data
         dtype = torch.get_default_dtype()
         return apply_to_collection(data, Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -205,7 +205,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def precision(self, plugin: Optional[Precision]) -> None:
         """Fabric's connector hands us a plugin built from ``precision=...``: convert it."""
         if plugin is None or isinstance(plugin, ZeroFabricPrecision):
-            self._precision = plugin
+            self._precision = plugin.use_autocast(self.config.autocast) if plugin is not None else None
             return
         if isinstance(plugin, ZeroPrecision):  # the Trainer's plugin: same settings, Fabric's calls
             zp = ZeroFabricPrecision(plugin.precision)
@@ -214,7 +214,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             zp = ZeroFabricPrecision.from_plugin(plugin)
             if self._loss_scale is not None and zp.scaler is not None:
                 zp = ZeroFabricPrecision(zp.precision, self._loss_scale)
-        self._precision = zp
+        self._precision = zp.use_autocast(self.config.autocast)  # precision.py [Note: two mixed-precision layouts]
 
     @property
     def precision_plugin(self) -> ZeroFabricPrecision:
@@ -236,6 +236,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._zero.dims = E.init_process_groups(self.config, self.cluster_environment, self.world_size, self.global_rank,
                                                 self.root_device)
         self._checkpoints.setup_checkpointer()
+        self.precision.device_type = self.root_device.type  # autocast's device (mixed_precision='autocast')
         self._zero.failed = False
         C.destroy_groups_at_exit(True)  # comm/collectives.py [Note: destroy at exit]; Fabric calls no teardown
         # No peer watchdog: Fabric calls no teardown or exception hook that would stop its thread.

@@ -291,3 +291,12 @@ def make_unit_materializer(
         materialize_modules(_modules_of(model, unit, units), device, init_hook, hf_inits, peft_inits)
 
     return materialize
+
+
+def has_meta_tensors(module: Optional[nn.Module]) -> bool:
+    """Whether a module built in ``configure_model`` is still on the meta device (setup failed before the engines
+    materialised it): Lightning's teardown would move it to the CPU and raise "Cannot copy out of meta tensor", hiding
+    the error that stopped setup (the strategy's teardown asks)."""
+    if module is None:
+        return False
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))

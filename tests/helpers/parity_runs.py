@@ -5,7 +5,7 @@ Writes ``<out>/<name>.pt`` on rank 0 with per-step losses, final full weights an
 counts, for each ``{NAME: SPEC}`` of the ``runs`` parameter (``tests.helpers.launch.run_worker``), where SPEC is ``ddp`` or ``zeroK[:key=value,...]``. Keys: precision, accumulate, clip, steps, opt,
 bucket_mb, limit (train batches per epoch), n_train (samples per epoch), resume (ModelCheckpoint at
 every epoch end; a fresh Trainer resumes from the first and records ``resumed_losses``), inject (global step at which rank 1 makes its loss infinite),
-hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full); offload: oopt, oparams, nvme=1, chunk_mb, dpu, ratio, hsp (offload_state_precision) (see ``offload_kwargs``).
+hysteresis (fp16 loss scaler), ckpt (checkpoint_format: sharded or full), autocast=1 (mixed_precision='autocast'); offload: oopt, oparams, nvme=1, chunk_mb, dpu, ratio, hsp (offload_state_precision) (see ``offload_kwargs``).
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def make_trainer(
             stage=stage, bucket_size_mb=float(opts.get("bucket_mb", 0.002)), precision_plugin=zp, **stage3,
             checkpoint_format=opts.get("ckpt", "sharded"), **offload_kwargs(opts),
             **({"nonfinite": opts["nonfinite"]} if "nonfinite" in opts else {}),
+            **({"mixed_precision": "autocast"} if opts.get("autocast") == "1" else {}),
         )
         if zp is None:
             plugin_kwargs = {"precision": precision}
