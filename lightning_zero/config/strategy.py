@@ -189,6 +189,12 @@ class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, Inferenc
         cannot combine with it."""
         if self.mixed_precision != "autocast":
             return
+        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
+                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
+        for name, value in others.items():
+            if value > 1:
+                raise ValueError(f"mixed_precision='autocast' with {name}={value} is not built yet (tested with data "
+                                 "parallelism under stages 0-3, offload and compile): use mixed_precision='cast'.")
         lowp = {"fp8": Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8,
                 "state_precision": None if self.state_precision == "fp32" else self.state_precision,
                 "offload_state_precision": None if self.offload_state_precision == "fp32" else self.offload_state_precision}

@@ -164,3 +164,15 @@ def test_uncompiled_module_still_reaches_the_strategy() -> None:
     trainer.fit(model)
     assert trainer.strategy.lightning_module is model and trainer.strategy.model is not None
     assert trainer.global_step == 2
+
+
+@pytest.mark.parametrize("kwargs,says", [
+    ({"fp8": "tensorwise"}, "fp8='tensorwise' computes from bf16 weights"),
+    ({"state_precision": "bf16_sr"}, "state_precision='bf16_sr' computes from bf16 weights"),
+    ({"tensor_parallel": 2}, "with tensor_parallel=2 is not built yet"),
+    ({"mixed_precision": "amp"}, r"mixed_precision must be one of \['cast', 'autocast'\]"),
+])
+def test_autocast_layout_refuses_what_needs_16bit_weights(kwargs: dict, says: str) -> None:
+    opts = {"mixed_precision": "autocast", **kwargs}
+    with pytest.raises(ValueError, match=says):
+        ZeroStrategy(stage=2, **opts)
