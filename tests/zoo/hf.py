@@ -48,18 +48,34 @@ def hf_gpt2() -> HFCausalLM:
     return HFCausalLM(lambda: GPT2LMHeadModel(cfg), lr=3e-3, blocks=lambda m: list(m.transformer.h))
 
 
+def hf_gpt2_checkpointed() -> HFCausalLM:
+    """GPT-2 with Hugging Face's own activation checkpointing, switched on as its docs say
+    (``model.gradient_checkpointing_enable()``, default arguments: torch's reentrant checkpoint in each block)."""
+    built = hf_gpt2()
+    built.model.gradient_checkpointing_enable()
+    assert built.model.is_gradient_checkpointing
+    return built
+
+
 LLAMA_LAYERS = 12
 
 
-def _llama_lora() -> nn.Module:
+def _llama_lora(checkpointed: bool = False) -> nn.Module:
+    """``checkpointed``: peft's recipe for LoRA with activation checkpointing (``gradient_checkpointing_enable()``,
+    torch's reentrant checkpoint, and ``enable_input_require_grads()`` so the frozen embeddings' output carries a
+    gradient into each checkpointed block), 4 layers."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=HFCausalLM.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LLAMA_LAYERS,
+        vocab_size=HFCausalLM.VOCAB, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=4 if checkpointed else LLAMA_LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0,
     )
     base = LlamaForCausalLM(cfg)
+    if checkpointed:
+        base.gradient_checkpointing_enable()
+        base.enable_input_require_grads()
     lora = LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -70,6 +86,11 @@ def _llama_lora() -> nn.Module:
 def hf_llama_lora() -> HFCausalLM:
     # PeftModel -> LoraModel (.base_model) -> LlamaForCausalLM (.model) -> LlamaModel (.model) -> layers
     return HFCausalLM(_llama_lora, lr=1e-2, blocks=lambda m: list(m.base_model.model.model.layers))
+
+
+def hf_llama_lora_checkpointed() -> HFCausalLM:
+    return HFCausalLM(lambda: _llama_lora(checkpointed=True), lr=1e-2,
+                      blocks=lambda m: list(m.base_model.model.model.layers))
 
 
 class HFT5(ZooModule):

@@ -14,8 +14,9 @@ Shared contract (read by ``tests/zoo/scenarios.py``):
   ``DistributedSampler(shuffle=False)`` with the strategy's own sampler arguments (the Trainer runs
   with ``use_distributed_sampler=False``, as in tests/helpers/parity_model.py).
 
-One file per family: base.py (ZooModule and the synthetic data sets), nanogpt.py, hf.py (GPT-2, Llama + LoRA, T5, BERT),
-vit.py, resnet.py (and a channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
+One file per family: base.py (ZooModule and the synthetic data sets), nanogpt.py, hf.py (GPT-2, Llama + LoRA, T5, BERT;
+GPT-2 and Llama + LoRA also with HF's gradient_checkpointing_enable(), peft's recipe), vit.py, resnet.py (and a
+channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
 parametrizations, weight clamping), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
 pairs); this file is the registry the scenarios build from.
 """
@@ -28,7 +29,7 @@ from torch import nn
 
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
 from tests.zoo.gan import GAN
-from tests.zoo.hf import HFBert, HFT5, hf_gpt2, hf_llama_lora
+from tests.zoo.hf import HFBert, HFT5, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora, hf_llama_lora_checkpointed
 from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
@@ -40,7 +41,9 @@ from tests.zoo.vit import TimmViT
 MODELS: dict[str, Callable[[], ZooModule]] = {
     "nanogpt": NanoGPT,
     "gpt2": hf_gpt2,
+    "gpt2_ckpt": hf_gpt2_checkpointed,
     "llama_lora": hf_llama_lora,
+    "llama_lora_ckpt": hf_llama_lora_checkpointed,
     "t5": HFT5,
     "bert": HFBert,
     "vit": TimmViT,

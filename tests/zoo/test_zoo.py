@@ -33,7 +33,9 @@ from tests.helpers.compare import max_rel as _rel, tensor_rel
 STAGES: dict[str, list[str]] = {
     "nanogpt": ["zero1", "zero2", "zero3"],
     "gpt2": ["zero1", "zero2", "zero3"],
+    "gpt2_ckpt": ["zero1", "zero2", "zero3"],  # HF's gradient_checkpointing_enable() (reentrant)
     "llama_lora": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
+    "llama_lora_ckpt": ["zero1", "zero2", "zero3", "zero3_offload"],  # peft's checkpointing recipe (reentrant)
     "t5": ["zero1", "zero2", "zero3"],
     "bert": ["zero1", "zero2", "zero3"],
     "vit": ["zero1", "zero2", "zero3"],
