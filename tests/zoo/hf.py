@@ -17,11 +17,17 @@ class HFCausalLM(ZooModule):
 
     VOCAB, SEQ = 64, 16
 
-    def __init__(self, build: Callable[[], nn.Module], lr: float, blocks: Callable[[nn.Module], list[nn.Module]]) -> None:
+    def __init__(self, build: Callable[[], nn.Module], lr: float, blocks: Callable[[nn.Module], list[nn.Module]],
+                 zero_gradient: Callable[[nn.Module], list[str]] = lambda m: []) -> None:
         super().__init__()
         self.model = build()
         self.lr = lr
         self._blocks = blocks
+        self._zero_gradient = zero_gradient
+
+    def zero_gradient_names(self) -> list[str]:
+        """Tensors whose true gradient is zero (GPT-2's fused q/k/v bias: nanogpt.py says why)."""
+        return self._zero_gradient(self.model)
 
     def zoo_blocks(self) -> list[nn.Module]:
         return self._blocks(self.model)
@@ -45,7 +51,11 @@ def hf_gpt2() -> HFCausalLM:
         n_layer=2, n_embd=32, n_head=2, vocab_size=HFCausalLM.VOCAB, n_positions=32,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
-    return HFCausalLM(lambda: GPT2LMHeadModel(cfg), lr=3e-3, blocks=lambda m: list(m.transformer.h))
+    def qkv_biases(m: nn.Module) -> list[str]:
+        return [f"model.transformer.h.{i}.attn.c_attn.bias" for i in range(len(m.transformer.h))]
+
+    return HFCausalLM(lambda: GPT2LMHeadModel(cfg), lr=3e-3, blocks=lambda m: list(m.transformer.h),
+                      zero_gradient=qkv_biases)
 
 
 def hf_gpt2_checkpointed() -> HFCausalLM:

@@ -33,13 +33,14 @@ from tests.zoo.hf import HFBert, HFT5, hf_gpt2, hf_gpt2_checkpointed, hf_llama_l
 from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
-from tests.zoo.nanogpt import NanoGPT
+from tests.zoo.nanogpt import NanoGPT, nanogpt_dropout
 from tests.zoo.resnet import ChannelsLastConvNet, TorchvisionResNet
 from tests.zoo.vit import TimmViT
 
 
 MODELS: dict[str, Callable[[], ZooModule]] = {
     "nanogpt": NanoGPT,
+    "nanogpt_dropout": nanogpt_dropout,
     "gpt2": hf_gpt2,
     "gpt2_ckpt": hf_gpt2_checkpointed,
     "llama_lora": hf_llama_lora,

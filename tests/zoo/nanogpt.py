@@ -164,6 +164,13 @@ class NanoGPT(ZooModule):
     def zoo_blocks(self) -> list[nn.Module]:
         return list(self.model.transformer.h)
 
+    def zero_gradient_names(self) -> list[str]:
+        """The fused q/k/v biases: their key third gets no gradient in exact arithmetic (a bias on the keys adds
+        the same ``q . b_k`` to every score of a query's row, which softmax removes), only floating-point noise
+        that Adam turns into steps of ~lr; an Adam that is not bitwise torch's (zero3_offload's CPU Adam)
+        changes that noise while every loss matches, as for the GAN's biases before a BatchNorm (gan.py)."""
+        return [f"model.transformer.h.{i}.attn.c_attn.bias" for i in range(self.config.n_layer)] if self.config.bias else []
+
     def train_data(self) -> Dataset:
         return token_data(self.config.vocab_size, self.config.block_size)
 
@@ -174,3 +181,10 @@ class NanoGPT(ZooModule):
 
     def configure_optimizers(self):
         return self.model.configure_optimizers(weight_decay=0.1, learning_rate=3e-3, betas=(0.9, 0.95))
+
+
+def nanogpt_dropout() -> NanoGPT:
+    """nanoGPT as its fine-tuning configs train it, with dropout (0.1: attention, residual and embedding dropout,
+    and SDPA's ``dropout_p``): each rank draws its masks from torch's generator, so the strategy must leave the
+    generator where ddp leaves it."""
+    return NanoGPT(GPTConfig(dropout=0.1))
