@@ -77,8 +77,9 @@ def check_callbacks(callbacks: Iterable[Any]) -> None:
 
 COMPILED_WHOLE = (
     "trainer.fit(torch.compile(model)) (or validate, test, predict): a LightningModule compiled whole is not "
-    "accepted by the ZeRO strategy (nor by Lightning for strategies other than single-device, ddp and fsdp). ZeRO compiles the network itself, unit by "
-    "unit, with its parameter gathers outside the compiled regions: pass the LightningModule uncompiled and set "
+    "accepted by the ZeRO strategy (nor by Lightning for strategies other than single-device, ddp and fsdp). "
+    "ZeRO compiles the network itself, unit by unit, with its parameter gathers outside the compiled regions: "
+    "pass the LightningModule uncompiled and set "
     "ZeroStrategy(compile=True) (Hydra: strategy.compile=true; torch.compile's arguments in compile_options), or "
     "compile the inner network inside the LightningModule (self.net = torch.compile(net)), which every stage accepts."
 )

@@ -81,8 +81,8 @@ not given (the Hydra schema, config/hydra.py ``ZeroStrategyConf``, keeps the nam
 
 
 @dataclass
-class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig, LaunchConfig,
-                 ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
+class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, InferenceConfig, QuantCommConfig, SequenceConfig,
+                 LaunchConfig, ParallelConfig, CompileConfig, ActivationConfig, CheckpointConfig, StepConfig,
                  OffloadConfig, Stage3Config, StageConfig):
     """What a ZeRO strategy does; every field has a sensible default.
 
@@ -197,11 +197,12 @@ class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, Inferenc
                                  "parallelism under stages 0-3, offload and compile): use mixed_precision='cast'.")
         lowp = {"fp8": Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8,
                 "state_precision": None if self.state_precision == "fp32" else self.state_precision,
-                "offload_state_precision": None if self.offload_state_precision == "fp32" else self.offload_state_precision}
+                "offload_state_precision":
+                    None if self.offload_state_precision == "fp32" else self.offload_state_precision}
         for name, value in lowp.items():
             if value is not None:
-                raise ValueError(f"{name}={value!r} computes from bf16 weights, and mixed_precision='autocast' keeps them "
-                                 "fp32: use mixed_precision='cast' (the default) with it.")
+                raise ValueError(f"{name}={value!r} computes from bf16 weights, and mixed_precision='autocast' keeps "
+                                 "them fp32: use mixed_precision='cast' (the default) with it.")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ZeroConfig":

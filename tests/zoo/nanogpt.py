@@ -169,7 +169,9 @@ class NanoGPT(ZooModule):
         the same ``q . b_k`` to every score of a query's row, which softmax removes), only floating-point noise
         that Adam turns into steps of ~lr; an Adam that is not bitwise torch's (zero3_offload's CPU Adam)
         changes that noise while every loss matches, as for the GAN's biases before a BatchNorm (gan.py)."""
-        return [f"model.transformer.h.{i}.attn.c_attn.bias" for i in range(self.config.n_layer)] if self.config.bias else []
+        if not self.config.bias:
+            return []
+        return [f"model.transformer.h.{i}.attn.c_attn.bias" for i in range(self.config.n_layer)]
 
     def train_data(self) -> Dataset:
         return token_data(self.config.vocab_size, self.config.block_size)
