@@ -47,6 +47,25 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def refuse_bypassed_io(plugin: Optional[CheckpointIO], checkpoint_format: str) -> None:
+    """Refuse a CheckpointIO plugin of the user's (``Trainer(plugins=[...])``) that sharded checkpoints would bypass.
+
+    Sharded checkpoints are written and read by the ranks themselves (sharded.py), not through a CheckpointIO, so
+    a plugin that sends files elsewhere (object storage) or writes in the background (``AsyncCheckpointIO``) would
+    silently not be used. Full checkpoints (``checkpoint_format='full'``) go through it; Lightning's default
+    ``TorchCheckpointIO`` (what sharded writing replaces) is accepted either way."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    if plugin is None or type(plugin) is TorchCheckpointIO or checkpoint_format != "sharded":
+        return
+    raise ValueError(
+        f"The checkpoint plugin {type(plugin).__name__} is not used by sharded checkpoints "
+        "(checkpoint_format='sharded', the default: each rank writes its own shard directly). Use "
+        "checkpoint_format='full' to write one file through it, or drop the plugin; for saves in the background "
+        "use checkpoint_async=True."
+    )
+
+
 class CheckpointOwner(Protocol):
     """What the checkpoints need of the strategy that holds them (both front doors have these)."""
 
@@ -77,6 +96,7 @@ class StrategyCheckpoints:
     def setup_checkpointer(self) -> None:
         """Collective: a gloo group of every rank for checkpoint I/O (sharded.py)."""
         cfg = self.engines.config
+        refuse_bypassed_io(getattr(self.owner, "_checkpoint_io", None), cfg.checkpoint_format)
         group = C.new_gloo_group(cfg.timeout_s) if C.is_initialized() and C.world_size() > 1 else None
         self._checkpointer = ShardedCheckpointer(group, cfg.checkpoint_threads, cfg.checkpoint_fsync, cfg.checkpoint_async)
 

@@ -176,3 +176,19 @@ def test_autocast_layout_refuses_what_needs_16bit_weights(kwargs: dict, says: st
     opts = {"mixed_precision": "autocast", **kwargs}
     with pytest.raises(ValueError, match=says):
         ZeroStrategy(stage=2, **opts)
+
+
+def test_checkpoint_plugin_that_sharded_checkpoints_bypass_is_refused() -> None:
+    """A user's CheckpointIO (here Lightning's AsyncCheckpointIO) would silently not be used by sharded
+    checkpoints; the full format writes through it, and the default TorchCheckpointIO is accepted."""
+    from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO
+
+    trainer = _trainer(ZeroStrategy(stage=2), plugins=[AsyncCheckpointIO()])
+    with pytest.raises(ValueError, match=r"AsyncCheckpointIO is not used by sharded checkpoints.*checkpoint_async=True"):
+        trainer.fit(ParityNet(checkpointing=False))
+    assert trainer.global_step == 0
+    for strategy, plugin in ((ZeroStrategy(stage=2, checkpoint_format="full"), AsyncCheckpointIO()),
+                             (ZeroStrategy(stage=2), TorchCheckpointIO())):
+        trainer = _trainer(strategy, plugins=[plugin], limit_val_batches=0)
+        trainer.fit(ParityNet(checkpointing=False))
+        assert trainer.global_step == 2
