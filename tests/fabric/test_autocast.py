@@ -27,9 +27,9 @@ class Recorder(nn.Module):
 
 
 def _one_step(strategy: object) -> tuple[Recorder, torch.Tensor, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
     fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed")
-    fabric.launch()
+    fabric.launch()  # a parallel strategy reseeds from PL_GLOBAL_SEED here when an earlier test set it
+    torch.manual_seed(0)
     model = Recorder()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     wrapped, opt = fabric.setup(model, opt)
