@@ -10,7 +10,8 @@
 #      4 H200s (FG), while qwZ alone and qgZ alone (2 GPUs, Q) stayed within 1%: benchmarks/zeropp_track.py at F's
 #      size (the per-step distance of each switch and of the two-level qgZ from zero3, beside zero3 run twice),
 #      then zero3 again for 1,000 steps of F's run (zero3's own run-to-run spread at step 1,000: ZeRO++'s three
-#      runs spread 7.9% there).
+#      runs spread 7.9% there). First (~40 s): torch's SyncBatchNorm under zero1-3 against ddp over NCCL
+#      (tests/distributed/test_sync_batchnorm.py, gpu-marked).
 #   C  (4 GPUs) #32 item 6: sharded checkpoints of the 8B shape: DeepSpeed's and our async save (ours and fsdp's:
 #      17:01); #33: ZeRO++ on NVLink at 4 ranks with the direct qgZ write.
 #   B  (4 GPUs) #30: SP against DeepSpeed ALST again after the host-sync fixes (32K, 128K); #32: MoE EP 4 sorted
@@ -187,6 +188,9 @@ case "$CALL" in
     wait
     ;;
   T)
+    # torch's SyncBatchNorm through sync_batchnorm=True against ddp over NCCL (2 GPUs; new 2026-11-29, CI has no GPU)
+    timeout 90 python3 -m pytest -q -m gpu tests/distributed/test_sync_batchnorm.py -p no:cacheprovider \
+      > "$OUT/sync_bn.log" 2>&1; mark sync_bn $?
     timeout 200 $TR 4 benchmarks/zeropp_track.py --steps 6 > "$OUT/track.log" 2>&1; mark track $?
     ARGS="precision=bf16-mixed model.n_layer=24 model.d_model=1024 model.n_head=16 model.seq_len=1024 data.batch_size=2
       trainer.max_steps=1000 trainer.devices=4 trainer.val_check_interval=500 trainer.limit_val_batches=16
