@@ -11,8 +11,9 @@ statistics differ).
 
 Here the plugin is applied in the strategy's ``setup`` when fitting, before the engines partition the
 parameters (``convert_sync_batchnorm`` builds new modules around the same Parameter objects, so the
-optimizer's references hold, and stage 3's unit hooks go on the converted modules), and reverted in
-``teardown`` after the engines let go, as ddp does. ``TorchSyncBatchNorm`` is converted over the
+optimizer's references hold, and stage 3's unit hooks go on the converted modules), and reverted (the
+plugin's own ``revert``) at the start of ``teardown``, before the engines put their released-module guards
+on the modules, as ddp reverts in its teardown. ``TorchSyncBatchNorm`` is converted over the
 data-parallel group, not the world: under pipeline or tensor parallelism the world holds other stages
 or copies of the same batch, and ddp's world is its data-parallel group. A plugin of the user's is
 applied as it is (its ``apply(model)`` takes no group, as under ddp).
@@ -50,8 +51,3 @@ def apply_layer_sync(plugin: Any, model: nn.Module, dp_group: Optional[ProcessGr
             "runs on the CPU in plugins=[...]."
         )
     return nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=dp_group)
-
-
-def revert_layer_sync(plugin: Any, model: nn.Module) -> nn.Module:
-    """``model`` with ``plugin``'s conversion undone (Lightning's plugins know how)."""
-    return plugin.revert(model)

@@ -85,15 +85,13 @@ class ZeroPrecision(Precision):
             f"pass Trainer(precision=...) with one of {list(VALID_PRECISIONS)}."
         )
 
-    def use_autocast(self, on: bool, device_type: Optional[str] = None) -> "ZeroPrecision":
+    def use_autocast(self, on: bool) -> "ZeroPrecision":
         """Switch between the two layouts of [Note: two mixed-precision layouts] (no effect under ``32-true``);
         returns ``self``. Called by the strategies from their config before the engines exist."""
         dtype = _DTYPES[str(self.precision)]
         mixed = dtype != torch.float32
         self.autocast_dtype = dtype if on and mixed else None
         self.compute_dtype = torch.float32 if on else dtype
-        if device_type is not None:
-            self.device_type = device_type
         return self
 
     @property

@@ -43,7 +43,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.config import LossScaleConfig, SequenceConfig, ZeroConfig
 from lightning_zero.config.presets import register_presets
 from lightning_zero.engines import Engines
-from lightning_zero.layer_sync import apply_layer_sync, revert_layer_sync
+from lightning_zero.layer_sync import apply_layer_sync
 from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel_dims import ParallelDims
@@ -555,7 +555,7 @@ class ZeroStrategy(RefusesCompiledWhole, ParallelStrategy):
     def teardown(self) -> None:
         if self._layer_synced and self.model is not None:  # before the engines guard the modules (layer_sync.py)
             assert self._layer_sync is not None
-            self.model = revert_layer_sync(self._layer_sync, self.model)
+            self.model = self._layer_sync.revert(self.model)
             self._layer_synced = False
         self._close_manual_window()
         self._placeholders.clear()

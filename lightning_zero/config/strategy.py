@@ -153,6 +153,14 @@ class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, Inferenc
                 "partition; offloaded states take offload_state_precision."
             )
 
+    def _refuse_parallelism(self, what: str, why: str = "") -> None:
+        """``what`` is built for data parallelism alone: refuse tensor, pipeline, expert or sequence parallelism."""
+        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
+                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
+        for name, value in others.items():
+            if value > 1:
+                raise ValueError(f"{what} with {name}={value} is not built yet{why}.")
+
     def _validate_zeropp(self) -> None:
         """ZeRO++ (config/quantization.py) is a stage-3 feature, built for data parallelism alone."""
         q = QuantCommConfig(**{f.name: getattr(self, f.name) for f in fields(QuantCommConfig)})  # normalised
@@ -164,11 +172,7 @@ class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, Inferenc
         if self.stage != 3:
             raise ValueError(f"{what} needs stage=3: ZeRO++ quantizes stage 3's parameter gathers and gradient "
                              f"reduce-scatters (got stage={self.stage}).")
-        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
-                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
-        for name, value in others.items():
-            if value > 1:
-                raise ValueError(f"{what} with {name}={value} is not built yet.")
+        self._refuse_parallelism(what)
         for name in ("offload_optimizer", "offload_params"):
             if getattr(self, name) != "none":
                 raise ValueError(f"{what} with {name}={getattr(self, name)!r} is not built yet.")
@@ -178,23 +182,15 @@ class ZeroConfig(MixedPrecisionConfig, Fp8Config, StatePrecisionConfig, Inferenc
         recipe = Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8  # normalised
         if recipe is None:
             return
-        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
-                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
-        for name, value in others.items():
-            if value > 1:
-                raise ValueError(f"fp8={recipe!r} with {name}={value} is not built yet.")
+        self._refuse_parallelism(f"fp8={recipe!r}")
 
     def _validate_autocast(self) -> None:
         """``mixed_precision='autocast'`` keeps fp32 weights (config/mixed.py): what computes from 16-bit weights
         cannot combine with it."""
         if self.mixed_precision != "autocast":
             return
-        others = {"tensor_parallel": self.tensor_parallel, "pipeline_stages": self.pipeline_stages,
-                  "expert_parallel": self.expert_parallel, "sequence_parallel": self.sequence_parallel}
-        for name, value in others.items():
-            if value > 1:
-                raise ValueError(f"mixed_precision='autocast' with {name}={value} is not built yet (tested with data "
-                                 "parallelism under stages 0-3, offload and compile): use mixed_precision='cast'.")
+        self._refuse_parallelism("mixed_precision='autocast'", " (tested with data parallelism under stages 0-3, "
+                                 "offload and compile): use mixed_precision='cast'")
         lowp = {"fp8": Fp8Config(**{f.name: getattr(self, f.name) for f in fields(Fp8Config)}).fp8,
                 "state_precision": None if self.state_precision == "fp32" else self.state_precision,
                 "offload_state_precision":
