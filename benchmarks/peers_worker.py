@@ -135,6 +135,9 @@ CONFIGS: dict[str, PeerConfig] = {
         PeerConfig("zero3_fp8_rowwise", _zero(3, fp8="rowwise"), build_in="configure_model"),
         # every Linear in fp8, the 128K-vocab head included (torchtitan keeps its output layer in bf16)
         PeerConfig("zero3_fp8_head", _zero(3, fp8="tensorwise", fp8_keep_first_last=False), build_in="configure_model"),
+        # ddp's bf16-mixed layout (fp32 weights, torch.autocast) instead of DeepSpeed's 16-bit module
+        PeerConfig("zero2_autocast", _zero(2, mixed_precision="autocast")),
+        PeerConfig("zero3_autocast", _zero(3, mixed_precision="autocast"), build_in="configure_model"),
     )
 }
 """How each configuration named in ``presets.PEERS`` is built (the default lists live there too)."""

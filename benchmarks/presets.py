@@ -89,10 +89,13 @@ PEERS: dict[str, str] = {
     "zero3_fp8": "lightning_zero",
     "zero3_fp8_rowwise": "lightning_zero",
     "zero3_fp8_head": "lightning_zero",
+    "zero2_autocast": "lightning_zero",
+    "zero3_autocast": "lightning_zero",
 }
 """Every configuration the peer benchmark knows (``*_bf16sr``/``*_bf16kahan``: 16-bit device states,
 zero/states16.py; ``_g16``: bf16 gradient shards; ``*_fp8``: fp8 linears through torchao, tensorwise or
-rowwise scaling, config/fp8.py; run with ``--configs``, not by default) -> its family ('lightning', 'deepspeed', 'lightning_zero').
+rowwise scaling, config/fp8.py; ``*_autocast``: ``mixed_precision="autocast"``, ddp's bf16-mixed layout over fp32
+weights, config/mixed.py; run with ``--configs``, not by default) -> its family ('lightning', 'deepspeed', 'lightning_zero').
 ``peers_worker.CONFIGS`` says how each is built."""
 
 DEFAULT_PEERS: dict[int, list[str]] = {

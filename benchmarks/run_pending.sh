@@ -24,7 +24,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2|AC}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -214,6 +214,14 @@ case "$CALL" in
     python3 benchmarks/compile.py --gpus 1 --model /tmp/gpt_8b_8l.yaml --micro-batch 2 --steps 8 --warmup 4 \
       --configs single_compiled,zero3_compiled,zero3_fp8_compiled,zero3_fp8_rowwise_compiled,fsdp_compiled \
       --config-timeout-s 150 --budget-s $(( $(left) - 10 )) --out-dir "$OUT/c8l" > "$OUT/c8l.log" 2>&1; mark c8l $?
+    ;;
+  AC)  # one GPU (2026-11-29, only nvidia-h200 lent): mixed_precision="autocast" (ddp's bf16-mixed layout, dcb842c)
+       # against the default 16-bit module and Lightning's single-device bf16-mixed; then the gpu-marked tests
+    python3 benchmarks/peers.py --gpus 1 --configs single,zero2,zero2_autocast,zero3,zero3_autocast --steps 10 \
+      --warmup 4 --budget-s 330 --out-dir "$OUT/autocast" > "$OUT/autocast.log" 2>&1; mark autocast $?
+    python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+      --durations=15 > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
     ;;
   *) echo "unknown call $CALL"; exit 2 ;;
 esac
