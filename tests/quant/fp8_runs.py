@@ -4,7 +4,8 @@ zero1/zero2/zero3 on gloo, by a Fabric loop in bf16-mixed.
 
 ``runs``: ``{NAME: "zeroK[:key=value,...]"}``, run in order; keys ``fp8`` (a recipe), ``save=1`` (write a
 Fabric checkpoint ``OUT/NAME_ckpt`` after the last step), ``load=OTHER`` (load OTHER's checkpoint, model
-only, right after setup, and train no step), ``precision`` (default ``bf16-mixed``). Every run starts from
+only, right after setup, and train no step), ``precision`` (default ``bf16-mixed``), ``qwz`` (ZeRO++'s
+``quantized_weights``, stage 3). Every run starts from
 the same weights and sees the same batches (each rank its rows of a global batch), with AdamW. Rank 0 writes ``OUT/NAME.pt``: the global loss of each
 step, the full state dict at the end (fp32 copies), the class names of the Linears after setup, and the
 Linear weights' ``id``s before and after setup compared (the conversion kept the user's Parameters).
@@ -42,6 +43,8 @@ def run(name: str, spec: str, out: str) -> dict[str, Any]:
     kind, opts = parse(spec)
     world = int(os.environ["WORLD_SIZE"])
     fp8 = {"fp8": opts["fp8"], "fp8_emulate": True} if "fp8" in opts else {}
+    if "qwz" in opts:  # ZeRO++'s quantized weight all-gather under the fp8 linears (stage 3)
+        fp8["quantized_weights"] = opts["qwz"]
     strategy = lightning_zero.ZeroFabricStrategy(stage=int(kind[-1]), bucket_size_mb=0.002, **fp8,
                                                  **({"param_persistence_threshold": 0} if kind == "zero3" else {}))
     fabric = Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=opts.get("precision", "bf16-mixed"))
