@@ -103,6 +103,33 @@ def hf_llama_lora_checkpointed() -> HFCausalLM:
                       blocks=lambda m: list(m.base_model.model.model.layers))
 
 
+def hf_mixtral() -> HFCausalLM:
+    """Mixtral: a sparse MoE block in every layer (a top-2 router over 4 experts, the experts fused into 3-D
+    parameters as transformers 5 writes them) trained with its router's load-balancing loss, as fine-tuning recipes
+    switch it on (``output_router_logits=True``): experts that get no token on a rank get a zero gradient there."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=HFCausalLM.VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, attention_dropout=0.0,
+    )
+    return HFCausalLM(lambda: MixtralForCausalLM(cfg), lr=3e-3, blocks=lambda m: list(m.model.layers))
+
+
+def hf_gemma2() -> HFCausalLM:
+    """Gemma 2: tied embeddings scaled by sqrt(hidden) (a computed normaliser), RMSNorm's ``1 + weight``, four norms
+    per layer, attention and final-logit soft-capping, and sliding-window attention on every other layer."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(
+        vocab_size=HFCausalLM.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=8, attention_dropout=0.0,
+        attn_implementation="eager",
+    )
+    return HFCausalLM(lambda: Gemma2ForCausalLM(cfg), lr=3e-3, blocks=lambda m: list(m.model.layers))
+
+
 class HFT5(ZooModule):
     """T5: encoder and decoder stacks, embeddings tied three ways, relative position bias passed on."""
 
