@@ -22,8 +22,9 @@ Usage::
         run = run_scenario("mysuite.train", nprocs=2, params={"steps": 3}, out=tmp_path, timeout=300).check()
         rank0, rank1 = run.ranks("result")
 
-How it runs: ``python -m torch.distributed.run --nproc-per-node N -m tests.helpers.run_scenario NAME PARAMS OUT``
-from the repository root (``nodes > 1``: one torchrun per simulated node over a shared static rendezvous;
+How it runs: ``python -m tests.helpers.run_scenario NAME PARAMS OUT`` on each of N ranks, from the repository root,
+with torchrun's environment but not its agent ([Note: ranks without torchrun's agent]; ``nodes > 1``: one
+``torchrun --nproc-per-node N`` per simulated node over a shared static rendezvous;
 :func:`start_scenario` with ``launcher="python"``: one process, Lightning's own launcher starts the others). The
 parameters travel as one JSON file; each rank writes its records with ``torch.save`` (tensors allowed) through a
 temporary file and a rename, so a reader never sees half a record. The scenario ``NAME`` is ``<suite>.<what>``:
@@ -220,7 +221,8 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
                  out: Optional[Path] = None, nodes: int = 1, env: Optional[Mapping[str, str]] = None) -> ScenarioRun:
     """Run scenario ``name`` on ``nprocs`` ranks per node (``nodes`` simulated nodes on this machine) with
     ``params`` (JSON-serialisable); returns the :class:`ScenarioRun` without raising (``.check()`` raises).
-    Over NCCL (``LZ_TEST_ACCELERATOR=gpu``) with fewer GPUs than ranks the caller is skipped instead."""
+    Over NCCL (``LZ_TEST_ACCELERATOR=gpu``) with fewer GPUs than ranks the caller is skipped instead.
+    One node: the ranks are started directly ([Note: ranks without torchrun's agent]); several: one torchrun each."""
     skip_without_gpus(nprocs * nodes)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="scenario_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -228,6 +230,11 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     run = ScenarioRun(name, nprocs * nodes, out)
     port = free_port()
     started = time.perf_counter()
+    if nodes == 1 and not os.environ.get("LZ_TEST_TORCHRUN"):
+        run.returncode, run.timed_out, run.log = _run_ranks(name, params_path, out, nprocs, port, env,
+                                                            started + timeout)
+        run.seconds = time.perf_counter() - started
+        return run
     procs = [subprocess.Popen(scenario_command(name, params_path, out, nprocs, "torchrun", port, nodes, node),
                               cwd=ROOT, env=scenario_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True)
@@ -251,6 +258,73 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     run.log = "\n".join(logs)
     run.seconds = time.perf_counter() - started
     return run
+
+
+TERM_GRACE_S = 10.0
+"""After a rank fails, how long the others have between SIGTERM and SIGKILL (torchrun's agent: 30 s)."""
+
+
+def rank_env(env: Optional[Mapping[str, str]], rank: int, nprocs: int, port: int) -> dict[str, str]:
+    """What torchrun's agent gives rank ``rank`` of one node (``--standalone``), without its store: rank 0
+    hosts the rendezvous store itself (``TORCHELASTIC_USE_AGENT_STORE`` unset), as a plain ``env://`` job does."""
+    return {**scenario_env(env), "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": f"lz-test-{port}", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0"}
+
+
+def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, env: Optional[Mapping[str, str]],
+               deadline: float) -> tuple[int, bool, str]:
+    """(return code, timed out, log) of one node's ranks started directly.
+
+    [Note: ranks without torchrun's agent]
+    torchrun's agent is one more Python process that imports torch before it starts the ranks: about 2.4 s of
+    the 2-core CI machine per launch, before any rank runs (measured 2026-11-29: a 2-rank launch that only meets
+    in a barrier takes 11.1 s through torchrun and 8.7 s started directly). For one node the harness does the
+    agent's part itself: each rank gets torchrun's environment (:func:`rank_env`), every rank sits in rank 0's
+    process group (one ``killpg`` ends the launch and anything its ranks started), the output of all ranks goes
+    to one file in arrival order (as torchrun's own stdout), and when a rank fails the others get SIGTERM at
+    once and SIGKILL after :data:`TERM_GRACE_S` (torchrun's reaction). The exit code is the first non-zero
+    one. Simulated multi-node runs and the fault suite (which tests the launchers themselves) keep torchrun;
+    ``LZ_TEST_TORCHRUN=1`` sends every launch through it.
+    """
+    argv = [sys.executable, "-m", ENTRY, name, str(params_path), str(out)]
+    log_path = Path(tempfile.mkstemp(prefix=".launch.", suffix=".log", dir=out)[1])
+    procs: list[subprocess.Popen] = []
+    timed_out = False
+    with open(log_path, "w") as log:
+        try:
+            for rank in range(nprocs):
+                group = {"process_group": 0 if rank == 0 else procs[0].pid}  # rank 0 leads a group of its own
+                procs.append(subprocess.Popen(argv, cwd=ROOT, env=rank_env(env, rank, nprocs, port), stdout=log,
+                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **group))
+            failed_at: Optional[float] = None
+            while any(p.poll() is None for p in procs):
+                now = time.perf_counter()
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = now
+                    _signal_group(procs[0].pid, signal.SIGTERM)
+                elif failed_at is not None and now - failed_at > TERM_GRACE_S:
+                    break
+                time.sleep(0.05)
+        finally:
+            if procs and any(p.poll() is None for p in procs):
+                _signal_group(procs[0].pid, signal.SIGKILL)
+            for p in procs:
+                p.wait()
+    code = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return code, timed_out, log_path.read_text(errors="replace")
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # every process of the group has exited
+        pass
 
 
 def barrier_or_exit(tag: str, timeout_s: float) -> None:
