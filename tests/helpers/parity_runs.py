@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 import lightning_zero  # noqa: E402
+from tests.helpers.launch import worker_accelerator  # noqa: E402
 from tests.helpers.memory import storage_bytes  # noqa: E402
 from tests.helpers.parity_model import ParityNet  # noqa: E402
 from tests.helpers.worker_io import save_result  # noqa: E402
@@ -74,7 +75,7 @@ class MemoryProbe(pl.Callback):
         self.trace.append({
             "step": trainer.global_step, "loss_scale": getattr(strategy, "loss_scale", None),
             "skipped": getattr(strategy, "skipped_steps", 0), "params": checksum, "state": state_sum,
-            "dtype": str(next(pl_module.parameters()).dtype), "batch": int(batch[0].sum()),
+            "dtype": str(next(pl_module.parameters()).dtype), "device": batch[0].device.type, "batch": int(batch[0].sum()),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
         })
         # model state at rest, after the step: parameters (released ZeRO-3 storage counts 0), masters,
@@ -146,7 +147,7 @@ def make_trainer(
     if kind == "ddp":
         plugin_kwargs = {"precision": precision}
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=worker_accelerator(),  # cpu unless LZ_TEST_ACCELERATOR=gpu (tests/helpers/launch.py)
         # per node, as a multi-node launch gives them (tests/distributed/test_multinode.py)
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         num_nodes=int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
