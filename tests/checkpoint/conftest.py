@@ -82,7 +82,7 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Launch, Path, list
     ckpts = out / "kill_ckpts"
     step = reference_step("kill", out, kill_on_save=3)  # saves: step 3, last (step 3), step 6 <- killed
     step["ckpt"]["save_last"] = True
-    run = launch(out, 2, [step], timeout=180)
+    run = launch(out, 2, [step], timeout=180, launcher="torchrun")  # torchrun's own reaction is under test
     listing = sorted(p.name for p in ckpts.iterdir()) if ckpts.is_dir() else []
     return run, ckpts, listing
 

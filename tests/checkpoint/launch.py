@@ -79,6 +79,7 @@ class Launch:
         return got
 
 
-def launch(tmp: Path, nproc: int, plan: list[dict[str, Any]], timeout: int = 300) -> Launch:
-    run = run_scenario("checkpoint.plan", nprocs=nproc, params={"plan": plan}, timeout=timeout, out=tmp, env=CPU_ONLY)
+def launch(tmp: Path, nproc: int, plan: list[dict[str, Any]], timeout: int = 300, launcher: str = "direct") -> Launch:
+    run = run_scenario("checkpoint.plan", nprocs=nproc, params={"plan": plan}, timeout=timeout, out=tmp, env=CPU_ONLY,
+                       launcher=launcher)
     return Launch(run, [step["name"] for step in plan])

@@ -218,11 +218,15 @@ def start_scenario(name: str, nprocs: int, params: Optional[Mapping[str, Any]], 
 
 
 def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]] = None, timeout: float = 600,
-                 out: Optional[Path] = None, nodes: int = 1, env: Optional[Mapping[str, str]] = None) -> ScenarioRun:
+                 out: Optional[Path] = None, nodes: int = 1, env: Optional[Mapping[str, str]] = None,
+                 launcher: str = "direct") -> ScenarioRun:
     """Run scenario ``name`` on ``nprocs`` ranks per node (``nodes`` simulated nodes on this machine) with
     ``params`` (JSON-serialisable); returns the :class:`ScenarioRun` without raising (``.check()`` raises).
     Over NCCL (``LZ_TEST_ACCELERATOR=gpu``) with fewer GPUs than ranks the caller is skipped instead.
-    One node: the ranks are started directly ([Note: ranks without torchrun's agent]); several: one torchrun each."""
+    ``launcher="direct"``: one node's ranks are started directly ([Note: ranks without torchrun's agent]);
+    ``"torchrun"`` (what a test of torchrun's own reaction needs) or several nodes: one torchrun per node."""
+    if launcher not in ("direct", "torchrun"):
+        raise ValueError(f"launcher {launcher!r}: 'direct' or 'torchrun'")
     skip_without_gpus(nprocs * nodes)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="scenario_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +234,7 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     run = ScenarioRun(name, nprocs * nodes, out)
     port = free_port()
     started = time.perf_counter()
-    if nodes == 1 and not os.environ.get("LZ_TEST_TORCHRUN"):
+    if launcher == "direct" and nodes == 1 and not os.environ.get("LZ_TEST_TORCHRUN"):
         run.returncode, run.timed_out, run.log = _run_ranks(name, params_path, out, nprocs, port, env,
                                                             started + timeout)
         run.seconds = time.perf_counter() - started
@@ -317,7 +321,9 @@ def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, 
             for p in procs:
                 p.wait()
     code = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return code, timed_out, log_path.read_text(errors="replace")
+    summary = [f"[harness] rank {r} (pid {p.pid}) " + (f"died of {signal.Signals(-p.returncode).name}"
+               if p.returncode < 0 else f"exited with {p.returncode}") for r, p in enumerate(procs) if p.returncode]
+    return code, timed_out, log_path.read_text(errors="replace") + "".join(f"\n{line}" for line in summary)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
