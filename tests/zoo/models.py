@@ -29,7 +29,7 @@ from torch import nn
 
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
 from tests.zoo.gan import GAN
-from tests.zoo.hf import (HFBert, HFT5, hf_gemma2, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora, hf_llama_lora_checkpointed,
+from tests.zoo.hf import (HFBert, HFDeberta, HFT5, hf_gemma2, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora, hf_llama_lora_checkpointed,
                           hf_mixtral)
 from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
@@ -47,6 +47,7 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "llama_lora": hf_llama_lora,
     "llama_lora_ckpt": hf_llama_lora_checkpointed,
     "mixtral": hf_mixtral,
+    "deberta": HFDeberta,
     "gemma2": hf_gemma2,
     "t5": HFT5,
     "bert": HFBert,

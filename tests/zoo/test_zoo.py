@@ -38,7 +38,8 @@ STAGES: dict[str, list[str]] = {
     "llama_lora": ["zero1", "zero2", "zero3", "zero3_offload", "zero2_partial"],
     "llama_lora_ckpt": ["zero1", "zero2", "zero3", "zero3_offload"],  # peft's checkpointing recipe (reentrant)
     "mixtral": ["zero1", "zero2", "zero3", "zero3_offload"],  # sparse MoE + router loss (fused 3-D experts)
-    "gemma2": ["zero1", "zero2", "zero3"],  # tied scaled embeddings, soft-capping, sliding window
+    "gemma2": ["zero1", "zero2", "zero3"],
+    "deberta": ["zero1", "zero2", "zero3", "zero3_offload"],  # a table read by .weight, never called  # tied scaled embeddings, soft-capping, sliding window
     "t5": ["zero1", "zero2", "zero3"],
     "bert": ["zero1", "zero2", "zero3"],
     "vit": ["zero1", "zero2", "zero3"],
