@@ -111,6 +111,7 @@ def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims
     engines.dims = dims
     engines.remove_guards()
     engines.orig_dtypes = {k: v.dtype for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
+    engines.orig_buffer_dtypes = {k: b.dtype for k, b in module.named_buffers()}
 
 
 def place(module: torch.nn.Module, device: torch.device) -> None:

@@ -57,6 +57,8 @@ class Engines:
         self.dims: Optional[ParallelDims] = None
         self.orig_dtypes: dict[str, torch.dtype] = {}
         """The module's state-dict dtypes before the cast: what checkpoints restore."""
+        self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
+        """Every buffer's dtype before the cast, non-persistent ones too: what a fit hands back (after_fit.py)."""
         self.guards: list[RemovableHandle] = []
         self.buffer_sync: Optional[BufferSync] = None
         self.compile_plan: Optional[CompilePlan] = None

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_zero import environment as E
+from lightning_zero.after_fit import needs_restore, restore_module
 from lightning_zero.apply import ENGINES, apply_zero, place
 from lightning_zero.checkpoint.sharded import ShardedCheckpointer
 from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
@@ -560,12 +561,15 @@ class ZeroStrategy(RefusesCompiledWhole, ParallelStrategy):
         self._close_manual_window()
         self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
+        if self.model is not None and needs_restore(self._zero, self.lightning_module):  # after_fit.py
+            restore_module(self._zero, self.lightning_module, self.full_state_dict)
         if not len(self._zero) and not has_meta_tensors(self.lightning_module):
             super().teardown()
             return
         # Lightning's teardown moves the module and optimizer state to the CPU. Not here: the engines
         # keep fp32 masters and optimizer shards on the device, so `trainer.save_checkpoint()` after
-        # fit still gathers them over NCCL, and released ZeRO-3 parameters have no storage to move.
+        # fit still gathers them over NCCL, and released ZeRO-3 parameters have no storage to move
+        # (a cast-layout module of stages 0-2 was handed back on the CPU above: after_fit.py).
         if self.cluster_environment is not None:
             self.cluster_environment.teardown()
         self.precision_plugin.teardown()

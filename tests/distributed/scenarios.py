@@ -56,3 +56,11 @@ def sync_batchnorm(ctx: ScenarioContext) -> dict[str, Any]:
     from tests.distributed.sync_batchnorm import run
 
     return {spec: run(spec) for spec in ctx.params["specs"]}
+
+
+@scenario("distributed.after_fit")
+def after_fit(ctx: ScenarioContext) -> dict[str, Any]:
+    """``specs``: tests/distributed/after_fit.py SPECS names, run in order; each rank's ``result``: ``{spec: run(spec)}``."""
+    from tests.distributed.after_fit import run
+
+    return {spec: run(spec) for spec in ctx.params["specs"]}

@@ -75,7 +75,7 @@ def test_single_process_trains(stage: int) -> None:
     before = model.blocks[0].up.weight.detach().clone()
     trainer = _trainer(ZeroStrategy(stage=stage), precision="bf16-mixed", limit_val_batches=0)
     trainer.fit(model)
-    assert model.blocks[0].up.weight.dtype == torch.bfloat16
+    assert model.blocks[0].up.weight.dtype == torch.float32  # handed back as built (lightning_zero/after_fit.py)
     assert not torch.equal(model.blocks[0].up.weight.float(), before)
     assert trainer.strategy.grad_norm is not None and trainer.strategy.grad_norm > 0
 
