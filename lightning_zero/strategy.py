@@ -562,7 +562,7 @@ class ZeroStrategy(RefusesCompiledWhole, ParallelStrategy):
         self._placeholders.clear()
         self._zero.teardown(self._checkpoints.wait_for_checkpoint)
         if self.model is not None and needs_restore(self._zero, self.lightning_module):  # after_fit.py
-            restore_module(self._zero, self.lightning_module, self.full_state_dict)
+            restore_module(self._zero, self.lightning_module, self.full_state_dict, self.num_processes)
         if not len(self._zero) and not has_meta_tensors(self.lightning_module):
             super().teardown()
             return
