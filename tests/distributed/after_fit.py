@@ -10,6 +10,7 @@ whose masters are read when its training starts.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_zero import ZeroStrategy
+from tests.helpers.launch import worker_accelerator
 from tests.helpers.parity_model import ParityNet
 
 SPECS: dict[str, dict[str, Any]] = {
@@ -41,7 +43,7 @@ class MastersAtStart(Callback):
 
 def _trainer(options: dict[str, Any], steps: int, callbacks: list[Callback]) -> Trainer:
     return Trainer(
-        accelerator="cpu", devices=2, max_steps=steps, limit_train_batches=steps, limit_val_batches=1, logger=False,
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), max_steps=steps, limit_train_batches=steps, limit_val_batches=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         use_distributed_sampler=False, precision="bf16-mixed", callbacks=callbacks,
         strategy=ZeroStrategy(bucket_size_mb=0.002, **options),

@@ -4,11 +4,14 @@ as after ddp, the user's module in the dtypes they built it in, holding the fp32
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.harness import run_scenario
+from tests.helpers.launch import ACCELERATOR_ENV
 
 CAST = ["zero0", "zero1", "zero2", "zero2_offload"]
 
@@ -46,3 +49,18 @@ def test_stage3_still_refuses_the_released_state_dict(ranks: list[dict]) -> None
     for r in ranks:
         err = r["zero3"]["state_dict_error"]
         assert err is not None and "full_state_dict()" in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_module_comes_back_to_the_cpu_in_fp32(tmp_path: Path) -> None:
+    """One GPU: the masters live on the device (or the host under offload); the module comes back on the CPU."""
+    env = {ACCELERATOR_ENV: "gpu", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or "0"}
+    specs = ["zero1", "zero2", "zero2_offload"]
+    run = run_scenario("distributed.after_fit", nprocs=1, params={"specs": specs}, timeout=600, out=tmp_path,
+                       env=env).check()
+    (r,) = run.ranks("result")
+    for spec in specs:
+        assert r[spec]["after_fit"]["param_dtypes"] == ["torch.float32"], r[spec]
+        assert r[spec]["after_fit"]["devices"] == ["cpu"] and r[spec]["equals_masters"] == r[spec]["keys"]
+        assert r[spec]["second_fit_starts_from_masters"] == r[spec]["keys"]
