@@ -9,8 +9,8 @@ from the rounded values and so trained apart from ddp's continuation, and an fp3
 BatchNorm. So a fit that ended cleanly under stages 0-2 writes the masters back: every parameter becomes the
 full fp32 master (``full_state_dict()``, gathered on every rank, collective) and every floating buffer returns
 to its own dtype (its values are what the 16-bit run kept), on the CPU as Lightning's teardown leaves a ddp
-module (unless the copies would take over half the host's free memory: then a warning, and the 16-bit module
-stays; the decision is one for all ranks). The engines stay, so ``trainer.save_checkpoint()`` after fit still saves their shards; a later
+module (unless the copies would take over half the host's free memory, or the gather more than the GPU has
+free: then a warning, and the 16-bit module stays; the decision is one for all ranks). The engines stay, so ``trainer.save_checkpoint()`` after fit still saves their shards; a later
 ``validate``/``test``/``fit`` sets the module up again.
 
 Not under stage 3 (its parameters are released; ``state_dict()`` there is refused naming ``full_state_dict()``,
@@ -45,25 +45,42 @@ def needs_restore(engines: Engines, module: Module) -> bool:
     return any(engines.orig_dtypes.get(name, p.dtype) != p.dtype for name, p in module.named_parameters())
 
 
-def fits_on_host(engines: Engines, module: Module, ranks_per_node: int) -> tuple[bool, int, int]:
-    """(whether every rank has room for its fp32 copy, bytes per node it takes, bytes available here); one answer
-    for all ranks (collective), so that none starts the gather another skips."""
-    need = ranks_per_node * sum(p.numel() * torch.empty((), dtype=engines.orig_dtypes.get(name, p.dtype)).element_size()
-                                for name, p in module.named_parameters())
-    free = available_host_bytes()
-    return all(C.all_gather_object(need <= HOST_SHARE * free, None)), need, free
+def device_free_bytes(device: torch.device) -> int:
+    """What a CUDA device can still hand out: free memory plus what torch's caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def fits(engines: Engines, module: Module, ranks_per_node: int) -> tuple[bool, str]:
+    """(whether every rank has room for the copies, what does not fit); one answer for all ranks (collective), so
+    that none starts the gather another skips. The host holds one fp32 copy per rank of the node, within
+    :data:`HOST_SHARE` of its free memory; a CUDA device holds, while ``full_state_dict()`` gathers, the full
+    masters and their per-parameter copies (twice the fp32 bytes) before they move to the host."""
+    named = list(module.named_parameters())
+    copy = sum(p.numel() * torch.empty((), dtype=engines.orig_dtypes.get(name, p.dtype)).element_size()
+               for name, p in named)
+    host_free = available_host_bytes()
+    short = ""
+    if ranks_per_node * copy > HOST_SHARE * host_free:
+        short = (f"fp32 copies on every rank would take {ranks_per_node * copy / 2**30:.1f} GiB of host memory "
+                 f"({ranks_per_node} ranks per node), {host_free / 2**30:.1f} GiB are free")
+    cuda = next((p.device for _, p in named if p.device.type == "cuda"), None)
+    if not short and cuda is not None and 2 * copy > device_free_bytes(cuda):
+        short = (f"gathering them would take {2 * copy / 2**30:.1f} GiB on {cuda}, "
+                 f"{device_free_bytes(cuda) / 2**30:.1f} GiB are free")
+    ok = all(C.all_gather_object(not short, None))
+    return ok, short or ("another rank has no room" if not ok else "")
 
 
 def restore_module(engines: Engines, module: Module, full_state_dict: Callable[[], dict[str, torch.Tensor]],
                    ranks_per_node: int) -> bool:
     """Parameters <- fp32 masters, buffers <- their own dtypes, all on the CPU (collective: every rank calls it).
-    False, with one warning, where the copies would take more than :data:`HOST_SHARE` of the host's free memory
-    (a model trained under ZeRO need not fit on the host once per rank): the module then keeps its 16-bit weights."""
-    fits, need, free = fits_on_host(engines, module, ranks_per_node)
-    if not fits:
-        rank_zero_warn(f"lightning_zero: after fit the module keeps its 16-bit training weights: fp32 copies on every "
-                       f"rank would take {need / 2**30:.1f} GiB of host memory ({ranks_per_node} ranks per node), "
-                       f"{free / 2**30:.1f} GiB are free. trainer.strategy.full_state_dict() gives the fp32 masters.")
+    False, with one warning, where the copies do not fit (:func:`fits`: a model trained under ZeRO need not fit on
+    the host once per rank, nor twice in fp32 on its GPU): the module then keeps its 16-bit weights."""
+    ok, short = fits(engines, module, ranks_per_node)
+    if not ok:
+        rank_zero_warn(f"lightning_zero: after fit the module keeps its 16-bit training weights: {short}. "
+                       "trainer.strategy.full_state_dict() gives the fp32 masters.")
         return False
     full = full_state_dict()  # the masters in the user's dtypes, on the CPU, every rank
     with torch.no_grad():
