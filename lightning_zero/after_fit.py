@@ -10,8 +10,9 @@ BatchNorm. So a fit that ended cleanly under stages 0-2 writes the masters back:
 full fp32 master (``full_state_dict()``, gathered on every rank, collective) and every floating buffer returns
 to its own dtype (its values are what the 16-bit run kept), on the CPU as Lightning's teardown leaves a ddp
 module (unless the copies would take over half the host's free memory, or the gather more than the GPU has
-free: then a warning, and the 16-bit module stays; the decision is one for all ranks). The engines stay, so ``trainer.save_checkpoint()`` after fit still saves their shards; a later
-``validate``/``test``/``fit`` sets the module up again.
+free: then a warning, and the 16-bit module stays; the decision is one for all ranks). The engines stay, so
+``trainer.save_checkpoint()`` after fit still saves their shards; a later ``validate``/``test``/``fit`` sets the
+module up again.
 
 Not under stage 3 (its parameters are released; ``state_dict()`` there is refused naming ``full_state_dict()``,
 zero/released_guard.py) nor with tensor, pipeline or expert parallelism (a rank holds part of the module);
@@ -65,9 +66,10 @@ def fits(engines: Engines, module: Module, ranks_per_node: int) -> tuple[bool, s
         short = (f"fp32 copies on every rank would take {ranks_per_node * copy / 2**30:.1f} GiB of host memory "
                  f"({ranks_per_node} ranks per node), {host_free / 2**30:.1f} GiB are free")
     cuda = next((p.device for _, p in named if p.device.type == "cuda"), None)
-    if not short and cuda is not None and 2 * copy > device_free_bytes(cuda):
+    device_free = device_free_bytes(cuda) if cuda is not None else 0
+    if not short and cuda is not None and 2 * copy > device_free:
         short = (f"gathering them would take {2 * copy / 2**30:.1f} GiB on {cuda}, "
-                 f"{device_free_bytes(cuda) / 2**30:.1f} GiB are free")
+                 f"{device_free / 2**30:.1f} GiB are free")
     ok = all(C.all_gather_object(not short, None))
     return ok, short or ("another rank has no room" if not ok else "")
 

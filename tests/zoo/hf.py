@@ -130,36 +130,6 @@ def hf_gemma2() -> HFCausalLM:
     return HFCausalLM(lambda: Gemma2ForCausalLM(cfg), lr=3e-3, blocks=lambda m: list(m.model.layers))
 
 
-class HFDeberta(ZooModule):
-    """DeBERTa-v2 masked LM: disentangled attention whose relative-position table (``encoder.rel_embeddings``, an
-    ``nn.Embedding``) is never called: every layer reads its ``.weight`` directly (``get_rel_embedding``), then
-    LayerNorms it; the MLM head ties to the word embeddings."""
-
-    VOCAB, SEQ, MASK_ID = 64, 16, 3
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers import DebertaV2Config, DebertaV2ForMaskedLM
-
-        cfg = DebertaV2Config(
-            vocab_size=self.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            relative_attention=True, position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
-            pos_att_type=["p2c", "c2p"], share_att_key=True, position_biased_input=False,
-        )
-        self.model = DebertaV2ForMaskedLM(cfg)
-
-    def train_data(self) -> Dataset:
-        return HFBert.masked_data(self.VOCAB, self.SEQ, self.MASK_ID)
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        inputs, labels = batch
-        return self.record(self.model(input_ids=inputs, labels=labels).loss)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-
-
 class HFT5(ZooModule):
     """T5: encoder and decoder stacks, embeddings tied three ways, relative position bias passed on."""
 
@@ -196,13 +166,17 @@ class HFBert(ZooModule):
 
     def __init__(self) -> None:
         super().__init__()
+        self.model = self.build()
+
+    def build(self) -> nn.Module:
+        """The masked LM (subclasses swap in another architecture and keep the data, step and optimizer)."""
         from transformers import BertConfig, BertForMaskedLM
 
         cfg = BertConfig(
             vocab_size=self.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
-        self.model = BertForMaskedLM(cfg)
+        return BertForMaskedLM(cfg)
 
     def train_data(self) -> Dataset:
         return self.masked_data(self.VOCAB, self.SEQ, self.MASK_ID)
@@ -224,3 +198,20 @@ class HFBert(ZooModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+
+
+class HFDeberta(HFBert):
+    """DeBERTa-v2 masked LM: disentangled attention whose relative-position table (``encoder.rel_embeddings``, an
+    ``nn.Embedding``) is never called: every layer reads its ``.weight`` directly (``get_rel_embedding``), then
+    LayerNorms it; the MLM head ties to the word embeddings."""
+
+    def build(self) -> nn.Module:
+        from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+        cfg = DebertaV2Config(
+            vocab_size=self.VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            relative_attention=True, position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
+            pos_att_type=["p2c", "c2p"], share_att_key=True, position_biased_input=False,
+        )
+        return DebertaV2ForMaskedLM(cfg)
