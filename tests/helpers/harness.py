@@ -44,6 +44,7 @@ the entry imports ``tests.<suite>.scenarios`` and calls the function registered 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -238,6 +239,7 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
         run.returncode, run.timed_out, run.log = _run_ranks(name, params_path, out, nprocs, port, env,
                                                             started + timeout)
         run.seconds = time.perf_counter() - started
+        _log_launch(run)
         return run
     procs = [subprocess.Popen(scenario_command(name, params_path, out, nprocs, "torchrun", port, nodes, node),
                               cwd=ROOT, env=scenario_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -261,7 +263,17 @@ def run_scenario(name: str, nprocs: int = 2, params: Optional[Mapping[str, Any]]
     run.returncode = next((p.returncode for p in procs if p.returncode != 0), 0)
     run.log = "\n".join(logs)
     run.seconds = time.perf_counter() - started
+    _log_launch(run)
     return run
+
+
+def _log_launch(run: ScenarioRun) -> None:
+    """One line per launch (scenario, ranks, seconds, exit) in ``$LZ_TEST_LAUNCH_LOG`` when it is set: where the
+    suite's time goes."""
+    path = os.environ.get("LZ_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{run.name}\t{run.nprocs}\t{run.seconds:.1f}\t{run.how()}\n")
 
 
 TERM_GRACE_S = 10.0
@@ -291,18 +303,23 @@ def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, 
     to one file in arrival order (as torchrun's own stdout), and when a rank fails the others get SIGTERM at
     once and SIGKILL after :data:`TERM_GRACE_S` (torchrun's reaction). The exit code is the first non-zero
     one. Simulated multi-node runs and the fault suite (which tests the launchers themselves) keep torchrun;
-    ``LZ_TEST_TORCHRUN=1`` sends every launch through it.
+    ``LZ_TEST_TORCHRUN=1`` sends every launch through it. Ranks that see no GPU are forked from a process that
+    imported torch and Lightning once (forkserver.py [Note: forked ranks]; ``LZ_TEST_FORK=0``: fresh ones).
     """
     argv = [sys.executable, "-m", ENTRY, name, str(params_path), str(out)]
     log_path = Path(tempfile.mkstemp(prefix=".launch.", suffix=".log", dir=out)[1])
-    procs: list[subprocess.Popen] = []
+    procs: list[Any] = []  # subprocess.Popen or forkserver.ForkedRank
     timed_out = False
-    with open(log_path, "w") as log:
+    zygote = _zygote(scenario_env(env))
+    with open(log_path, "a") as log:  # appends, as the forked ranks do ([Note: forked ranks])
         try:
             for rank in range(nprocs):
-                group = {"process_group": 0 if rank == 0 else procs[0].pid}  # rank 0 leads a group of its own
-                procs.append(subprocess.Popen(argv, cwd=ROOT, env=rank_env(env, rank, nprocs, port), stdout=log,
-                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **group))
+                pgid = 0 if rank == 0 else procs[0].pid  # rank 0 leads a group of its own
+                renv = rank_env(env, rank, nprocs, port)
+                forked = zygote.fork(argv[3:], renv, log_path, pgid, f"tests.{name.rpartition('.')[0]}.scenarios") \
+                    if zygote is not None else None
+                procs.append(forked or subprocess.Popen(argv, cwd=ROOT, env=renv, stdout=log, stderr=subprocess.STDOUT,
+                                                        stdin=subprocess.DEVNULL, process_group=pgid))
             failed_at: Optional[float] = None
             while any(p.poll() is None for p in procs):
                 now = time.perf_counter()
@@ -324,6 +341,23 @@ def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, 
     summary = [f"[harness] rank {r} (pid {p.pid}) " + (f"died of {signal.Signals(-p.returncode).name}"
                if p.returncode < 0 else f"exited with {p.returncode}") for r, p in enumerate(procs) if p.returncode]
     return code, timed_out, log_path.read_text(errors="replace") + "".join(f"\n{line}" for line in summary)
+
+
+def _zygote(env: Mapping[str, str]) -> Any:
+    """The zygote that forks this launch's ranks ([Note: forked ranks]), or None where they start fresh."""
+    from tests.helpers import forkserver
+
+    if not forkserver.forkable(env, nodes=1, launcher="direct"):
+        return None
+    return _zygotes().get(env)
+
+
+@functools.cache
+def _zygotes() -> Any:
+    """This pytest process's :class:`tests.helpers.forkserver.Zygotes`, made on the first forked launch."""
+    from tests.helpers.forkserver import Zygotes
+
+    return Zygotes()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
