@@ -9,7 +9,11 @@ scheduler or option that edits one group's fields is seen. Rank 0 saves ``OUT/<c
 losses, final weights, the optimizer state after the run and the error text of a run that refused.
 ``resume``: the run stops after ``steps // 2`` steps (checkpoint, ``ckpt``: sharded or full; ``first``: taken by
 another kind, e.g. ddp), a fresh Trainer resumes to ``steps``. ``late``: the side layer is first used after that.
-``keep_grads``: the module's ``optimizer_zero_grad`` calls ``zero_grad(set_to_none=False)``.
+``keep_grads``: the module's ``optimizer_zero_grad`` calls ``zero_grad(set_to_none=False)``. ``hook``: the module
+overrides a Lightning hook the way its docs or a library show (``HOOKS``): ``warmup`` (``optimizer_step`` sets each
+group's lr after the step: Lightning's warm-up recipe), ``every_other`` (``optimizer_step`` steps on even batches
+and only runs the closure on odd ones, whose gradients the next closure's zero_grad drops), ``timm`` (a scheduler
+that is no torch scheduler, stepped by ``lr_scheduler_step`` with the global step: timm's ``step_update``).
 """
 
 from __future__ import annotations
@@ -93,17 +97,46 @@ def _plateau(opt: torch.optim.Optimizer, steps: int) -> dict:
             "interval": "step", "monitor": "train_loss"}
 
 
+class StepUpdateScheduler:
+    """A scheduler written as timm writes its own (no torch ``LRScheduler``): linear warm-up then cosine decay of
+    every group's base lr, set by ``step_update(num_updates)``, which Lightning reaches only through
+    ``LightningModule.lr_scheduler_step``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> None:
+        self.optimizer, self.warmup, self.total = optimizer, warmup, total
+        self.base = [g["lr"] for g in optimizer.param_groups]
+
+    def step_update(self, num_updates: int) -> None:
+        import math
+
+        t = num_updates
+        scale = (t + 1) / self.warmup if t < self.warmup else 0.5 * (1 + math.cos(math.pi * t / self.total))
+        for group, base in zip(self.optimizer.param_groups, self.base):
+            group["lr"] = base * scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"base": self.base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.base = state["base"]
+
+
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer, int], dict]] = {
     "onecycle": _onecycle, "cyclic": _cyclic, "lambda": _lambda, "plateau": _plateau,
+    "timm": lambda opt, steps: {"scheduler": StepUpdateScheduler(opt, warmup=3, total=steps), "interval": "step"},
 }
+HOOKS = ("", "warmup", "every_other", "timm")
+WARMUP_STEPS = 4
 
 
 class OptNet(pl.LightningModule):
     """Four blocks, a LayerNorm, a side layer and a head; ``skip`` adds the data-dependent control flow."""
 
     def __init__(self, opt: str, sched: str, skip: bool, steps: int, rank_skip: bool = False,
-                 late: bool = False, keep_grads: bool = False) -> None:
+                 late: bool = False, keep_grads: bool = False, hook: str = "") -> None:
         super().__init__()
+        assert hook in HOOKS, hook
+        self.hook = hook
         self.late = late
         self.keep_grads = keep_grads
         self.opt, self.sched, self.skip, self.steps, self.rank_skip = opt, sched, skip, steps, rank_skip
@@ -132,6 +165,23 @@ class OptNet(pl.LightningModule):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=not self.keep_grads)
 
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if self.hook == "every_other" and batch_idx % 2 == 1:
+            optimizer_closure()  # Lightning's rule: a step that is skipped still runs its closure
+            return
+        optimizer.step(closure=optimizer_closure)
+        if self.hook == "warmup" and self.trainer.global_step < WARMUP_STEPS:
+            # Lightning's documented warm-up: scale each group's initial lr after the step
+            scale = min(1.0, float(self.trainer.global_step + 1) / WARMUP_STEPS)
+            for group in optimizer.param_groups:
+                group["lr"] = scale * group["initial_lr_of_this_test"]
+
+    def lr_scheduler_step(self, scheduler: Any, metric: Any) -> None:
+        if isinstance(scheduler, StepUpdateScheduler):
+            scheduler.step_update(self.trainer.global_step)
+        else:
+            super().lr_scheduler_step(scheduler, metric)
+
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(torch.zeros(64, 1), batch_size=1)
 
@@ -140,6 +190,10 @@ class OptNet(pl.LightningModule):
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
         groups: Groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.01}]
         opt = OPTIMIZERS[self.opt](groups)
+        for group in opt.param_groups:
+            group["initial_lr_of_this_test"] = group["lr"]
+            if self.hook == "warmup":
+                group["lr"] = group["lr"] / WARMUP_STEPS
         if not self.sched:
             return opt
         return {"optimizer": opt, "lr_scheduler": SCHEDULERS[self.sched](opt, self.steps)}
@@ -165,7 +219,7 @@ def _trainer(kind: str, steps: int, ckpt: str = "sharded") -> pl.Trainer:
 def run_case(case: str, kind: str, opts: dict[str, Any], out: str) -> None:
     steps = int(opts.get("steps", 8))
     args = (opts.get("opt", "adamw"), opts.get("sched", ""), bool(opts.get("skip", False)), steps, bool(opts.get("rank_skip", False)),
-            bool(opts.get("late", False)), bool(opts.get("keep_grads", False)))
+            bool(opts.get("late", False)), bool(opts.get("keep_grads", False)), str(opts.get("hook", "")))
     pl.seed_everything(0)
     model = OptNet(*args)
     result: dict[str, Any] = {"error": ""}

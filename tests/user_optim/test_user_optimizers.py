@@ -10,8 +10,11 @@ only) and a resume from a checkpoint (ours, sharded or full, or ddp's) taken whi
 group's step count or had never been stepped (zero/state_dict.py [Note: per-parameter step counts in
 checkpoints]: without it the resumed runs missed ddp's by 3e-3 in the loss), and ``zero_grad(set_to_none=False)``,
 under which torch steps every parameter used once with zero gradients ever after (zero/unused.py [Note:
-zero_grad(set_to_none=False)]: without it the losses missed ddp's by 0.13 with AdamW, 0.41 with SGD). What cannot step a subset of a flat group is refused with
-one sentence. A unit skipped on one rank under ZeRO-3 is tests/distributed/test_skipped_units.py's.
+zero_grad(set_to_none=False)]: without it the losses missed ddp's by 0.13 with AdamW, 0.41 with SGD), and the
+Lightning hooks users override around the step (``optimizer_step`` setting each group's lr, Lightning's warm-up
+recipe; ``optimizer_step`` skipping every other step while still running the closure; a timm-style scheduler
+stepped by ``lr_scheduler_step``). What cannot step a subset of a flat group is refused with one sentence. A
+unit skipped on one rank under ZeRO-3 is tests/distributed/test_skipped_units.py's.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ CASES: dict[str, dict] = {
     "onecycle_adam_decoupled": {"opt": "adam_decoupled", "sched": "onecycle", "skip": True},
     "nadam_skip": {"opt": "nadam_decoupled", "skip": True, "steps": 2},
     "sgd_dampening_skip": {"opt": "sgd_dampening", "skip": True, "steps": 2},
+    # Lightning hooks overridden as Lightning's docs and timm show (runs.py HOOKS)
+    "warmup_hook_adamw": {"opt": "adamw", "hook": "warmup"},
+    "every_other_step_sgd": {"opt": "sgd", "hook": "every_other"},
+    "every_other_step_adamw": {"opt": "adamw", "hook": "every_other", "skip": True},
+    "timm_scheduler_adamw": {"opt": "adamw", "sched": "timm", "hook": "timm"},
 }
 REFUSED = {"nadam_skip": "NAdam keeps a per-tensor state 'mu_product': it cannot step a subset of a flat group",
            "sgd_dampening_skip": "SGD with momentum and dampening starts a parameter's momentum from its first"}
@@ -64,7 +72,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def test_trains_like_ddp(runs: dict[str, dict], case: str, kind: str) -> None:
     ref, got = runs[f"{case}__ddp"], runs[f"{case}__{kind}"]
     assert ref["error"] == "" and got["error"] == ""
-    assert len(ref["losses"]) == len(got["losses"]) == STEPS
+    assert len(ref["losses"]) == len(got["losses"]) >= STEPS  # every_other: two batches a step
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4, abs=1e-6)
     assert got["lrs"] == pytest.approx(ref["lrs"], rel=1e-6)
     assert set(got["weights"]) == set(ref["weights"])
