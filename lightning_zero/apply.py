@@ -42,7 +42,7 @@ from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import (
     Fp8Config, OffloadConfig, QuantCommConfig, SequenceConfig, Stage3Config, StatePrecisionConfig,
 )
-from lightning_zero.engines import (Engines, check_optimizers_own_their_params, check_real_params,
+from lightning_zero.engines import (Engines, check_fp32_params, check_optimizers_own_their_params, check_real_params,
                                     check_supported_layers)
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
@@ -147,6 +147,7 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     check_optimizers_own_their_params(optimizers, names)
     check_real_params(optimizers, names)
+    check_fp32_params(optimizers, names, engines.orig_dtypes)
     check_supported_layers(module)
     if config.stage == 3:
         stage_options = {

@@ -95,8 +95,8 @@ class InferenceEngine(Stage3Engine):
             self._param_store.swap_out()
 
     # ---------------------------------------------------------------- where the partitions live
-    def _frozen_group_kwargs(self) -> dict[str, object]:
-        kwargs = super()._frozen_group_kwargs()
+    def _frozen_group_kwargs(self, dtype: torch.dtype) -> dict[str, object]:
+        kwargs = super()._frozen_group_kwargs(dtype)
         if self.params_where == "cpu":
             kwargs["master_factory"] = self.host.zeros  # pinned (on a GPU machine), its own pages
         elif self.params_where == "nvme":

@@ -21,12 +21,12 @@ other, shard by shard (materialize.py).
 
 [Note: frozen parameters]
 Parameters no optimizer steps (``requires_grad=False``, or in no optimizer: the frozen base of a LoRA
-fine-tune) are partitioned and gathered with their unit like the others, in one extra
-:class:`ShardedParamGroup` per engine (``frozen_groups``; the strategy gives them to its first
-engine) whose only shard is in the compute dtype: no fp32 master, no gradient buffer, no optimizer
-state. Their unit buckets index ``all_groups = groups + frozen_groups``; everything that steps or
-reduces loops over ``groups`` only. Several optimizers mean several engines over the same units,
-each gathering its own buckets in the same hooks. A unit with frozen weights cannot be released when
+fine-tune) are partitioned and gathered with their unit like the others, in extra
+:class:`ShardedParamGroup` s of one engine (``frozen_groups``; the strategy gives them to its first
+engine), one per dtype (fp32 weights in the compute dtype, others as built), whose only shard is in that
+dtype: no fp32 master, no gradient buffer, no optimizer state. Their unit buckets index
+``all_groups = groups + frozen_groups``; everything that steps or reduces loops over ``groups`` only. Several
+optimizers mean several engines over the same units, each gathering its own buckets in the same hooks. A unit with frozen weights cannot be released when
 its trainable gradients are in (a LoRA adapter's gradient is ready before the frozen base weight
 has computed the gradient of the unit's input): its inputs pass through an identity autograd
 function whose backward releases it, once every input gradient is computed.
@@ -127,10 +127,16 @@ class Stage3Engine(Stage2Engine):
     """Record the prefetch order in forwards without autograd too (inference/engine.py, which has no
     backward to learn it from); training engines learn it from the first training step only."""
 
-    def _frozen_group_kwargs(self) -> dict[str, object]:
-        """Arguments of the frozen partitions' :class:`ShardedParamGroup` ([Note: frozen parameters]):
-        one shard in the compute dtype on the device (inference/engine.py may place it in host memory)."""
-        return {"master_dtype": self.compute_dtype}
+    def _frozen_group_kwargs(self, dtype: torch.dtype) -> dict[str, object]:
+        """Arguments of a frozen partition's :class:`ShardedParamGroup` ([Note: frozen parameters]): one shard
+        in ``dtype`` (:meth:`_frozen_dtype`) on the device (inference/engine.py may place it in host memory)."""
+        return {"master_dtype": dtype}
+
+    def _frozen_dtype(self, p: Parameter) -> torch.dtype:
+        """What a frozen parameter is gathered in: fp32 ones in the compute dtype (the cast layout's 16 bits), any
+        other dtype as the user built it. A bf16 base under ``32-true`` came back in fp32 and the user's own
+        ``base(x.bfloat16())`` failed with a dtype mismatch; ddp computes it in bf16."""
+        return self.compute_dtype if p.dtype == torch.float32 else p.dtype
 
     # ---------------------------------------------------------------- construction
     def _build_groups(self, bucket_numel: int) -> None:
@@ -162,16 +168,19 @@ class Stage3Engine(Stage2Engine):
             raise NotImplementedError("ZeRO-3 with expert_parallel > 1 and frozen expert parameters is not built yet: "
                                       "give every expert parameter to an optimizer, or use stage 1 or 2.")
         placed = place_param_groups(per_group, self.dp_comm, self.expert_comm)  # shard_comm.py [Note: expert ...]
-        builds = [(params, self._group_kwargs(), False, comm, pi) for pi, comm, params in placed]
-        if frozen:
-            builds.append((frozen, self._frozen_group_kwargs(), True, self.dp_comm, -1))
-        self._gather_groups = [comm.param_group for _, _, _, comm, _ in builds]
+        builds = [(params, self._group_kwargs(), False, comm, pi, self.compute_dtype) for pi, comm, params in placed]
+        by_dtype: dict[torch.dtype, list[Parameter]] = {}
+        for p in frozen:
+            by_dtype.setdefault(self._frozen_dtype(p), []).append(p)
+        for dtype, params in by_dtype.items():  # one frozen group per dtype
+            builds.append((params, self._frozen_group_kwargs(dtype), True, self.dp_comm, -1, dtype))
+        self._gather_groups = [comm.param_group for _, _, _, comm, _, _ in builds]
         """Flat group ``gi``'s parameter-gather group (index as in ``all_groups``)."""
-        for gi, (params, kwargs, is_frozen, comm, pi) in enumerate(builds):
+        for gi, (params, kwargs, is_frozen, comm, pi, dtype) in enumerate(builds):
             keys = [owner[id(p)] for p in params]
             sizes = [local_tensor(p).numel() for p in params]  # a DTensor's TP shard (parallel/dtensor.py)
             layout, bucket_of = build_grouped_layout(sizes, keys, order, comm.size, align=8)
-            fg = ShardedParamGroup(params, layout, comm.rank, self.compute_dtype, self.device,
+            fg = ShardedParamGroup(params, layout, comm.rank, dtype, self.device,
                                    alias=self.single_rank_shortcuts, **kwargs)
             if not is_frozen:
                 self.comms.append(comm)

@@ -112,6 +112,39 @@ def test_frozen_sparse_embedding_is_accepted() -> None:
 
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(("dtype", "precision"), [(torch.bfloat16, "32-true"), (torch.float16, "bf16-mixed"),
+                                                  (torch.float64, "32-true")], ids=["bf16", "fp16_mixed", "fp64"])
+def test_trainable_parameter_built_in_another_dtype_is_refused_up_front(stage: int, dtype: torch.dtype,
+                                                                         precision: str) -> None:
+    """ddp steps a parameter the user built in bf16/fp16/fp64 in that dtype (autocast leaves parameter dtypes
+    alone); every stage stepped an fp32 master instead: a bf16 embedding under ``32-true`` trained 0.5% apart from
+    ddp's in 6 AdamW steps at stages 1 and 2, silently. Now fit stops before the first step naming it."""
+    model = EmbeddingNet()
+    model.tokens.to(dtype)
+    trainer = _trainer(ZeroStrategy(stage=stage), precision=precision)
+    with pytest.raises(ValueError, match=rf"^Parameter 'tokens\.weight' is trainable in {dtype}: ZeRO keeps an fp32 "
+                                         r"master.*module\.float\(\)"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_frozen_parameter_in_another_dtype_is_accepted(stage: int) -> None:
+    """A frozen bf16 table (a bf16 base model under fp32 adapters) is never stepped: it stays as built."""
+    model = EmbeddingNet()
+    model.tokens.to(torch.bfloat16).requires_grad_(False)
+    before = model.tokens.weight.detach().clone()
+    trainer = _trainer(ZeroStrategy(stage=stage))
+    trainer.fit(model)
+    assert trainer.global_step == 2
+    if stage < 3:  # stage 3 keeps the module released after fit (full_state_dict() reads it)
+        assert model.tokens.weight.dtype == torch.bfloat16 and torch.equal(model.tokens.weight, before)
+    else:
+        full = trainer.strategy.full_state_dict()
+        assert torch.equal(full["tokens.weight"].to(torch.bfloat16), before)
+
+
 class _OneProcessFNO(FNO):
     """tests/zoo's FNO with a plain loader: one process needs no distributed sampler."""
 

@@ -70,10 +70,11 @@ def hf_gpt2_checkpointed() -> HFCausalLM:
 LLAMA_LAYERS = 12
 
 
-def _llama_lora(checkpointed: bool = False) -> nn.Module:
+def _llama_lora(checkpointed: bool = False, base_dtype: torch.dtype = torch.float32) -> nn.Module:
     """``checkpointed``: peft's recipe for LoRA with activation checkpointing (``gradient_checkpointing_enable()``,
     torch's reentrant checkpoint, and ``enable_input_require_grads()`` so the frozen embeddings' output carries a
-    gradient into each checkpointed block), 4 layers."""
+    gradient into each checkpointed block), 4 layers. ``base_dtype``: the base model loaded in it (``bfloat16``:
+    the QLoRA-style memory saving; peft keeps the adapters in fp32, ``autocast_adapter_dtype``)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,7 +83,7 @@ def _llama_lora(checkpointed: bool = False) -> nn.Module:
         num_hidden_layers=4 if checkpointed else LLAMA_LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, attention_dropout=0.0,
     )
-    base = LlamaForCausalLM(cfg)
+    base = LlamaForCausalLM(cfg).to(base_dtype)
     if checkpointed:
         base.gradient_checkpointing_enable()
         base.enable_input_require_grads()
@@ -96,6 +97,13 @@ def _llama_lora(checkpointed: bool = False) -> nn.Module:
 def hf_llama_lora() -> HFCausalLM:
     # PeftModel -> LoraModel (.base_model) -> LlamaForCausalLM (.model) -> LlamaModel (.model) -> layers
     return HFCausalLM(_llama_lora, lr=1e-2, blocks=lambda m: list(m.base_model.model.model.layers))
+
+
+def hf_llama_lora_bf16_base() -> HFCausalLM:
+    """The base in bf16, frozen, the fp32 adapters trained under ``32-true`` (stage 3 gathered the frozen base in
+    fp32 and the adapters' own ``x.to(lora_A.weight.dtype)`` path met a dtype mismatch)."""
+    return HFCausalLM(lambda: _llama_lora(base_dtype=torch.bfloat16), lr=1e-2,
+                      blocks=lambda m: list(m.base_model.model.model.layers))
 
 
 def hf_llama_lora_checkpointed() -> HFCausalLM:

@@ -29,8 +29,8 @@ from torch import nn
 
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
 from tests.zoo.gan import GAN
-from tests.zoo.hf import (HFBert, HFDeberta, HFT5, hf_gemma2, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora, hf_llama_lora_checkpointed,
-                          hf_mixtral)
+from tests.zoo.hf import (HFBert, HFDeberta, HFT5, hf_gemma2, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora,
+                          hf_llama_lora_bf16_base, hf_llama_lora_checkpointed, hf_mixtral)
 from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
@@ -46,6 +46,7 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "gpt2_ckpt": hf_gpt2_checkpointed,
     "llama_lora": hf_llama_lora,
     "llama_lora_ckpt": hf_llama_lora_checkpointed,
+    "llama_lora_bf16": hf_llama_lora_bf16_base,
     "mixtral": hf_mixtral,
     "deberta": HFDeberta,
     "gemma2": hf_gemma2,
