@@ -24,7 +24,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2|AC}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -219,6 +219,12 @@ case "$CALL" in
        # against the default 16-bit module and Lightning's single-device bf16-mixed; then the gpu-marked tests
     python3 benchmarks/peers.py --gpus 1 --configs single,zero2,zero2_autocast,zero3,zero3_autocast --steps 10 \
       --warmup 4 --budget-s 330 --out-dir "$OUT/autocast" > "$OUT/autocast.log" 2>&1; mark autocast $?
+    python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu tests -p no:cacheprovider \
+      --durations=15 > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
+    ;;
+  G1)  # one GPU (2026-11-29, second session, only nvidia-h200 lent): the gpu-marked tests on this tree (stage 3's
+       # frozen partitions one per dtype, the dtype refusal; CPU ranks are forked in CI, GPU ones never are)
     python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
     LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu tests -p no:cacheprovider \
       --durations=15 > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
