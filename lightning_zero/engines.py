@@ -28,7 +28,7 @@ from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
 from lightning_zero.parallel_dims import ParallelDims
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import ZeroPrecision, explain_cast_layout_mismatch
 from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
@@ -275,7 +275,8 @@ class Engines:
         """A failure on this rank: reported in full once across ranks (failures.py [Note: failing
         once]); teardown will release engines without collectives; ``settle`` (an async checkpoint save
         still writing gets a bounded wait) runs before the engines are abandoned. Torch's error on a
-        released ZeRO-3 parameter becomes one that says where and what to do."""
+        released ZeRO-3 parameter becomes one that says where and what to do; its dtype mismatch under the
+        cast layout gets the layout's hint (precision.py :func:`explain_cast_layout_mismatch`)."""
         self.end_watch()
         self.failed = True
         C.destroy_groups_at_exit(False)  # a peer may be gone: no destroy at exit ([Note: destroy at exit])
@@ -292,6 +293,7 @@ class Engines:
             print_once(FailureBoard.for_default_group(exception), exception)  # the main thread's own store client
         released = {id(p): self.param_name(p) for e in self for p in e.sharded_params()}
         message = explain_released_read(exception, released) if released else None
+        message = message or explain_cast_layout_mismatch(exception, self.precision)
         if message is not None:
             exception.args = (message,)
 

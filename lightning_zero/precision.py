@@ -23,6 +23,7 @@ the engines unscale as under the cast layout. ``compute_dtype`` is what the engi
 
 from __future__ import annotations
 
+import re
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional, Union
 
@@ -188,3 +189,28 @@ class ZeroPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+
+_MISMATCH = re.compile(r"same dtype|should be the same|expected scalar type|same type|to have the same")
+_HALF_NAMES = re.compile(r"bfloat16|BFloat16|Half|float16")
+
+
+def explain_cast_layout_mismatch(error: BaseException, precision: "ZeroPrecision") -> Optional[str]:
+    """The hint torch's dtype-mismatch error needs under the cast layout (None for any other error or layout).
+
+    Under ``bf16-mixed`` Lightning's ddp runs the forward under ``torch.autocast``, which reconciles a tensor the
+    user cast to fp32 (``self.head(h.float())``) with the layer's weights; the cast layout trains the module
+    itself in 16 bits, so the same line fails with torch's "mat1 and mat2 must have the same dtype", which names
+    nothing of ours ([Note: two mixed-precision layouts]). The hint names the layout and ddp's."""
+    dtype = precision.compute_dtype
+    if not isinstance(error, RuntimeError) or dtype == torch.float32:
+        return None
+    text = str(error)
+    if not _MISMATCH.search(text) or not _HALF_NAMES.search(text):
+        return None
+    name = str(dtype).replace("torch.", "")
+    return (f"{text}\n\nlightning_zero: under precision='{precision.precision}' the ZeRO strategy trains the module "
+            f"itself in {name} (DeepSpeed's layout, mixed_precision='cast'), where Lightning's ddp keeps fp32 weights "
+            f"under torch.autocast: a tensor your code casts to fp32 (`x.float()`) meets {name} weights here. Pass "
+            "ZeroStrategy(mixed_precision='autocast') (Hydra: strategy.mixed_precision=autocast) for ddp's layout, or "
+            "keep the activations in the module's dtype.")

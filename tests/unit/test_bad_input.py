@@ -145,6 +145,31 @@ def test_frozen_parameter_in_another_dtype_is_accepted(stage: int) -> None:
         assert torch.equal(full["tokens.weight"].to(torch.bfloat16), before)
 
 
+class _CastsToFp32(ParityNet):
+    """A head fed ``h.float()``, as code written for ddp's autocast does: fine under ddp's ``bf16-mixed``."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.blocks[0](self.emb(x))
+        h = self.sometimes(h.float())  # code written for autocast casts up before a layer
+        logits = torch.nn.functional.linear(self.norm(h), self.emb.weight)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_dtype_mismatch_under_the_cast_layout_names_the_autocast_layout(stage: int) -> None:
+    """torch's "mat1 and mat2 must have the same dtype" named nothing of ours; the error now says the module trains
+    in bf16 under the cast layout and names mixed_precision='autocast', under which the same model trains."""
+    trainer = _trainer(ZeroStrategy(stage=stage), precision="bf16-mixed", limit_val_batches=0)
+    with pytest.raises(RuntimeError, match=r"(?s)same dtype.*trains the module itself in bfloat16.*"
+                                           r"mixed_precision='autocast'"):
+        trainer.fit(_CastsToFp32(checkpointing=False))
+    trainer = _trainer(ZeroStrategy(stage=stage, mixed_precision="autocast"), precision="bf16-mixed",
+                       limit_val_batches=0)
+    trainer.fit(_CastsToFp32(checkpointing=False))
+    assert trainer.global_step == 2
+
+
 class _OneProcessFNO(FNO):
     """tests/zoo's FNO with a plain loader: one process needs no distributed sampler."""
 
