@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -78,6 +80,29 @@ def test_single_process_trains(stage: int) -> None:
     assert model.blocks[0].up.weight.dtype == torch.float32  # handed back as built (lightning_zero/after_fit.py)
     assert not torch.equal(model.blocks[0].up.weight.float(), before)
     assert trainer.strategy.grad_norm is not None and trainer.strategy.grad_norm > 0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_fp32_weights_rounded_by_the_cast_layout_are_announced(stage: int) -> None:
+    """The cast layout keeps no fp32 copy of a frozen parameter (lightning_zero/apply.py
+    ``warn_frozen_rounding``): one warning names them, and what it says is what happens (the weights come back
+    rounded); under ``mixed_precision='autocast'`` no warning and the frozen weights come back as built."""
+    for layout in ("cast", "autocast"):
+        model = ParityNet(checkpointing=False)
+        built = model.frozen.weight.detach().clone()
+        trainer = _trainer(ZeroStrategy(stage=stage, mixed_precision=layout), precision="bf16-mixed",
+                           limit_val_batches=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model)
+        said = [str(w.message) for w in caught if "frozen fp32 parameters" in str(w.message)]
+        back = model.frozen.weight if stage < 3 else trainer.strategy.full_state_dict()["frozen.weight"]
+        if layout == "cast":
+            assert len(said) == 1 and "('frozen.weight', 'frozen.bias')" in said[0], said
+            assert back.dtype == torch.float32 and not torch.equal(back, built)
+            assert torch.equal(back, built.to(torch.bfloat16).float())  # rounded to bf16, nothing else
+        else:
+            assert not said and torch.equal(back, built)
 
 
 class EmbeddingNet(ParityNet):
