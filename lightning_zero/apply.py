@@ -52,7 +52,7 @@ from lightning_zero.offload.settings import OffloadHost
 from lightning_zero.parallel.dtensor import local_tensor
 from lightning_zero.parallel.validate import check_tensor_parallel
 from lightning_zero.parallel_dims import ParallelDims
-from lightning_zero.precision import ZeroPrecision
+from lightning_zero.precision import ZeroPrecision, dtype_name
 from lightning_zero.quant import fp8
 from lightning_zero.sequence.apply import tile_module_mlps
 from lightning_zero.zero.buffers import BufferSync
@@ -204,7 +204,7 @@ def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: Z
               if id(p) not in managed and engines.orig_dtypes.get(n, p.dtype) == torch.float32]
     if frozen:
         shown = ", ".join(repr(n) for n in frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
-        dtype = str(precision.compute_dtype).replace("torch.", "")
+        dtype = dtype_name(precision.compute_dtype)
         rank_zero_warn(f"lightning_zero: {len(frozen)} frozen fp32 parameters ({shown}) are cast to {dtype} under "
                        f"precision='{precision.precision}' (mixed_precision='cast'): they compute in {dtype}, and the "
                        f"module after fit, full_state_dict() and checkpoints hold them rounded to {dtype}, where "

@@ -191,6 +191,11 @@ class ZeroPrecision(Precision):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``bfloat16`` for ``torch.bfloat16``: how messages name a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
 _MISMATCH = re.compile(r"same dtype|should be the same|expected scalar type|same type|to have the same")
 _HALF_NAMES = re.compile(r"bfloat16|BFloat16|Half|float16")
 
@@ -208,7 +213,7 @@ def explain_cast_layout_mismatch(error: BaseException, precision: "ZeroPrecision
     text = str(error)
     if not _MISMATCH.search(text) or not _HALF_NAMES.search(text):
         return None
-    name = str(dtype).replace("torch.", "")
+    name = dtype_name(dtype)
     return (f"{text}\n\nlightning_zero: under precision='{precision.precision}' the ZeRO strategy trains the module "
             f"itself in {name} (DeepSpeed's layout, mixed_precision='cast'), where Lightning's ddp keeps fp32 weights "
             f"under torch.autocast: a tensor your code casts to fp32 (`x.float()`) meets {name} weights here. Pass "

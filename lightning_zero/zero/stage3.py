@@ -26,10 +26,10 @@ fine-tune) are partitioned and gathered with their unit like the others, in extr
 engine), one per dtype (fp32 weights in the compute dtype, others as built), whose only shard is in that
 dtype: no fp32 master, no gradient buffer, no optimizer state. Their unit buckets index
 ``all_groups = groups + frozen_groups``; everything that steps or reduces loops over ``groups`` only. Several
-optimizers mean several engines over the same units, each gathering its own buckets in the same hooks. A unit with frozen weights cannot be released when
-its trainable gradients are in (a LoRA adapter's gradient is ready before the frozen base weight
-has computed the gradient of the unit's input): its inputs pass through an identity autograd
-function whose backward releases it, once every input gradient is computed.
+optimizers mean several engines over the same units, each gathering its own buckets in the same hooks. A unit
+with frozen weights cannot be released when its trainable gradients are in (a LoRA adapter's gradient is ready
+before the frozen base weight has computed the gradient of the unit's input): its inputs pass through an identity
+autograd function whose backward releases it, once every input gradient is computed.
 
 [Note: two process groups]
 Parameter all-gathers run on their own data-parallel group. Gradient buckets launch in bucket order

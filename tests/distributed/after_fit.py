@@ -43,7 +43,8 @@ class MastersAtStart(Callback):
 
 def _trainer(options: dict[str, Any], steps: int, callbacks: list[Callback]) -> Trainer:
     return Trainer(
-        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), max_steps=steps, limit_train_batches=steps, limit_val_batches=1, logger=False,
+        accelerator=worker_accelerator(), devices=int(os.environ["WORLD_SIZE"]), max_steps=steps,
+        limit_train_batches=steps, limit_val_batches=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         use_distributed_sampler=False, precision="bf16-mixed", callbacks=callbacks,
         strategy=ZeroStrategy(bucket_size_mb=0.002, **options),

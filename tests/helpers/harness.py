@@ -86,10 +86,15 @@ def scenario(name: str) -> Callable[[Callable[["ScenarioContext"], Any]], Callab
     return register
 
 
+def suite_module(name: str) -> str:
+    """The module that registers scenario ``name``: ``tests.<suite>.scenarios``."""
+    return f"tests.{name.rpartition('.')[0]}.scenarios"
+
+
 def resolve(name: str) -> Callable[["ScenarioContext"], Any]:
     """The function of scenario ``name``, importing ``tests.<suite>.scenarios`` to register it."""
     suite = name.rpartition(".")[0]
-    importlib.import_module(f"tests.{suite}.scenarios")
+    importlib.import_module(suite_module(name))
     if name not in _SCENARIOS:
         raise KeyError(f"no scenario {name!r} in tests/{suite.replace('.', '/')}/scenarios.py "
                        f"(known: {sorted(_SCENARIOS)})")
@@ -306,7 +311,8 @@ def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, 
     ``LZ_TEST_TORCHRUN=1`` sends every launch through it. Ranks that see no GPU are forked from a process that
     imported torch and Lightning once (forkserver.py [Note: forked ranks]; ``LZ_TEST_FORK=0``: fresh ones).
     """
-    argv = [sys.executable, "-m", ENTRY, name, str(params_path), str(out)]
+    args = [name, str(params_path), str(out)]  # the entry's own arguments
+    argv = [sys.executable, "-m", ENTRY, *args]
     log_path = Path(tempfile.mkstemp(prefix=".launch.", suffix=".log", dir=out)[1])
     procs: list[Any] = []  # subprocess.Popen or forkserver.ForkedRank
     timed_out = False
@@ -316,8 +322,7 @@ def _run_ranks(name: str, params_path: Path, out: Path, nprocs: int, port: int, 
             for rank in range(nprocs):
                 pgid = 0 if rank == 0 else procs[0].pid  # rank 0 leads a group of its own
                 renv = rank_env(env, rank, nprocs, port)
-                forked = zygote.fork(argv[3:], renv, log_path, pgid, f"tests.{name.rpartition('.')[0]}.scenarios") \
-                    if zygote is not None else None
+                forked = zygote.fork(args, renv, log_path, pgid, suite_module(name)) if zygote is not None else None
                 procs.append(forked or subprocess.Popen(argv, cwd=ROOT, env=renv, stdout=log, stderr=subprocess.STDOUT,
                                                         stdin=subprocess.DEVNULL, process_group=pgid))
             failed_at: Optional[float] = None
