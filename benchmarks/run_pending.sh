@@ -2,7 +2,8 @@
 # The device runs still owed to issues #30, #32, #33 after 2026-11-28's sessions, one device call each (<= 9.5 min).
 # Done at 20:01-20:29 (RESULTS.md): Q, DEG (D, E and G side by side), FG (F's ZeRO++ run to 2,000 steps, G's
 # Accelerate row): #31's figures are all in. Done 2026-11-29 00:00-00:20 on one GPU: S1, S2 (and zero3 against ddp
-# on the corpus, inline). Next, in this order: T (x4), C (x4), B (x4).
+# on the corpus, inline). Done 2026-11-29 13:43-14:08 on 4 GPUs: T (cut at its 200 s), C, B (cut before dense and the
+# pipeline sweep). Next, in this order: T2 (x4), B2 (x4).
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
@@ -24,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -198,6 +199,20 @@ case "$CALL" in
     timeout $(( $(left) - 5 )) python3 examples/train.py strategy=zero3 $ARGS hydra.run.dir="$OUT/zero3_again" \
       > "$OUT/zero3_again.log" 2>&1; mark zero3_again $?
     rm -rf "$OUT"/zero3_again/.hydra "$OUT"/zero3_again/train_ddp_process_*.log  # few files: the TensorBoard run comes back
+    ;;
+  T2)  # 4 GPUs: what T's 200 s limit cut (2026-11-29 13:47): the per-step distance of qgZ alone, the two-level qgZ
+       # (under hpZ) and the three together from zero3 at F's size; zero3 runs first (the reference), then those
+    timeout $(( $(left) - 10 )) $TR 4 benchmarks/zeropp_track.py --steps 6 --configs zero3,qg,qg_hpz,all \
+      > "$OUT/track.log" 2>&1; mark track $?
+    ;;
+  B2)  # 4 GPUs: what B's limit cut (2026-11-29 14:08): dense against MoE at EP 4 in one call (benchmarks/moe.py on
+       # real text since the router collapsed on random tokens), then the pipeline sweep
+    for c in dense moe; do
+      timeout 120 $TR 4 benchmarks/moe.py --config $c --ep 4 --dispatch capacity --steps 15 --warmup 5 \
+        > "$OUT/moe_$c.log" 2>&1; mark "moe $c" $?
+    done
+    timeout $(( $(left) - 5 )) $TR 4 benchmarks/pipeline.py --sweep --global-batch 64 --steps 8 --warmup 3 \
+      > "$OUT/pipeline.log" 2>&1; mark pipeline $?
     ;;
   S1)  # one GPU (2026-11-29, only nvidia-h200 lent): every gpu-marked test after the stage-3 write guards; #30's
        # non-communication gap: ours against DeepSpeed ALST at SP 1 on 8 layers (after 249af0a's host-sync fixes)

@@ -14,6 +14,8 @@ one before it:
    replica starts from rank 0's weights and buffers, as DDP does at wrap time; the state-dict dtypes
    are remembered here, before the cast, for the checkpoints.
 4. The optimizers (Lightning's ``configure_optimizers`` runs here, on the placed module, as under ddp).
+   Then the exact fp32 shares of frozen fp32 parameters, before stage 3 partitions them and step 7 rounds them
+   (frozen_fp32.py [Note: frozen fp32 parameters under the cast layout]).
 5. One engine per optimizer: stage and offload from the config; the fp32 masters are taken now, in fp32
    (stage 3 materialises a meta-built module unit by unit here, each unit costing memory once).
    Not fitting: the engines of an earlier fit, or under stage 3 with none, one engine over frozen
@@ -45,6 +47,7 @@ from lightning_zero.config import (
 )
 from lightning_zero.engines import (Engines, check_fp32_params, check_optimizers_own_their_params, check_real_params,
                                     check_supported_layers)
+from lightning_zero.frozen_fp32 import FrozenFp32
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
@@ -88,7 +91,9 @@ def apply_zero(
     prepare_module(engines, module, dims, device)  # 1-3
     if optimizers is not None:
         engines.unshard_to_plain()  # a second fit: stage-3 parameters get their full storage back
-        build_engines(engines, module, optimizers(), dims=dims, device=device, precision=precision, host=host)  # 4-5
+        opts = optimizers()
+        keep_frozen_fp32(engines, module, opts, dims, precision)  # before stage 3 partitions them and the cast
+        build_engines(engines, module, opts, dims=dims, device=device, precision=precision, host=host)  # 4-5
     elif not build_inference_engine(engines, module, device=device, compute_dtype=precision.compute_dtype,
                                     global_rank=host.global_rank):  # stage 3 evaluating, no fit: ZeRO-Inference
         engines.install_module_hooks()  # validate/test/predict after fit: gather per unit again
@@ -188,20 +193,36 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
         )
 
 
-def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: ZeroPrecision) -> None:
-    """One warning when the cast layout is about to round frozen fp32 parameters to 16 bits for good.
+def keep_frozen_fp32(engines: Engines, module: torch.nn.Module, optimizers: list[Optimizer], dims: ParallelDims,
+                     precision: ZeroPrecision) -> None:
+    """Step 4a, frozen_fp32.py [Note: frozen fp32 parameters under the cast layout]: this rank's exact fp32 share
+    of every frozen fp32 parameter, taken after rank 0's broadcast and before stage 3 partitions them or the cast
+    layout rounds them; the share is the one checkpoints write (the expert-data-parallel ranks' for an expert's)."""
+    if not precision.is_mixed:  # 32-true or autocast: the module stays fp32
+        engines.frozen_fp32 = None
+        return
 
-    A trainable parameter keeps its fp32 value in its engine's master; a frozen one (a LoRA base under fp32
-    adapters) has no master, so the cast layout's 16-bit copy is all that is left of it: it computes in 16 bits
-    (DeepSpeed's layout), and the module after fit, ``full_state_dict()`` and checkpoints hold it rounded
-    (measured: 4.8e-4 off the user's fp32 values, stages 0-3), where ddp's ``bf16-mixed`` keeps it as built.
-    Keeping an exact copy costs 4 bytes per frozen parameter per rank (not built yet); ``mixed_precision=
-    'autocast'`` keeps the module fp32."""
+    def share_of(p: torch.Tensor) -> tuple[int, int, Optional[C.ProcessGroup]]:
+        if dims.ep > 1 and is_expert(p):
+            return dims.edp_rank, dims.edp, dims.edp_group
+        return dims.dp_rank, dims.dp, dims.dp_group
+
+    engines.frozen_fp32 = FrozenFp32.capture(frozen_params(module, optimizers), share_of, engines.frozen_fp32)
+
+
+def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: ZeroPrecision) -> None:
+    """One warning when the cast layout is about to round frozen fp32 parameters to 16 bits for good: those
+    :func:`keep_frozen_fp32` kept no exact share of (built on the meta device, or set up before any optimizer
+    existed: Fabric's ``setup_module``). Their 16-bit copy is all that is left of them, so the module after fit,
+    ``full_state_dict()`` and checkpoints hold them rounded, where ddp's ``bf16-mixed`` keeps them as built;
+    ``mixed_precision='autocast'`` keeps the module fp32."""
     managed = {id(p) for engine in engines for fg in engine.groups for p in fg.params}
     if not precision.is_mixed or not managed:  # 32-true, autocast, or no training (predict)
         return
+    kept = engines.frozen_fp32
     frozen = [n for n, p in module.named_parameters()
-              if id(p) not in managed and engines.orig_dtypes.get(n, p.dtype) == torch.float32]
+              if id(p) not in managed and engines.orig_dtypes.get(n, p.dtype) == torch.float32
+              and not (kept is not None and kept.holds(p))]
     if frozen:
         shown = ", ".join(repr(n) for n in frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
         dtype = dtype_name(precision.compute_dtype)

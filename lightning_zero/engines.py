@@ -27,6 +27,7 @@ from lightning_zero.comm import collectives as C
 from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import ZeroConfig
 from lightning_zero.failures import FailureBoard, PeerWatchdog, hold_sigterm, print_once, start_watchdog
+from lightning_zero.frozen_fp32 import FrozenFp32
 from lightning_zero.parallel_dims import ParallelDims
 from lightning_zero.precision import ZeroPrecision, explain_cast_layout_mismatch
 from lightning_zero.zero.buffers import BufferSync
@@ -57,6 +58,8 @@ class Engines:
         self.dims: Optional[ParallelDims] = None
         self.orig_dtypes: dict[str, torch.dtype] = {}
         """The module's state-dict dtypes before the cast: what checkpoints restore."""
+        self.frozen_fp32: Optional[FrozenFp32] = None
+        """Exact fp32 shares of frozen parameters the cast layout computes in 16 bits (frozen_fp32.py)."""
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
         """Every buffer's dtype before the cast, non-persistent ones too: what a fit hands back (after_fit.py)."""
         self.guards: list[RemovableHandle] = []

@@ -5,7 +5,9 @@ Keys are layout-free, so any stage, world size, offload setting or pipeline layo
 
 * ``state_dict.<name>``: the weight or buffer that Lightning's ``state_dict`` calls ``<name>``
   (flattened, pieces.py [Note: every tensor is stored flattened]); fp32 masters for the parameters
-  an engine steps, stage 3's frozen partitions in their compute dtype, everything else as held.
+  an engine steps, the exact fp32 shares of frozen fp32 parameters under the cast layout (frozen_fp32.py
+  [Note: frozen fp32 parameters under the cast layout]), stage 3's other frozen partitions in their
+  compute dtype, everything else as held.
   A tensor under two names (tied weights) is stored once, under its first name.
 * ``optimizer_states.<k>.state.<name>.<key>``: optimizer ``k``'s per-parameter state. Flat state
   (Adam's moments) is stored like the weights; per-group scalars (``step``) under every parameter's
@@ -43,6 +45,7 @@ from torch.optim import Optimizer
 from lightning_zero.checkpoint.experts import ExpertNames
 from lightning_zero.checkpoint.pieces import Block, FlatPiece
 from lightning_zero.comm.compressed import local_comm_state
+from lightning_zero.frozen_fp32 import FrozenFp32, even_range
 from lightning_zero.parallel.dtensor import local_block, local_tensor
 from lightning_zero.zero.engine import ZeroEngine
 
@@ -72,6 +75,8 @@ class RankView:
     edp_rank: int = 0
     edp_size: int = 1
     """This rank among the ranks holding the same experts, and their number (used with ``experts``)."""
+    frozen: Optional[FrozenFp32] = None
+    """Exact fp32 shares of frozen parameters the cast layout computes in 16 bits (None: none kept)."""
 
     def __post_init__(self) -> None:
         if self.experts is not None:  # the strategy's dtypes are keyed by the module's own names
@@ -142,11 +147,6 @@ def read_piece(source: Tensor, start: int, block: Block) -> FlatPiece:
     return FlatPiece(source, start, block.numel, block)
 
 
-def even_range(numel: int, rank: int, size: int) -> tuple[int, int]:
-    """Rank ``rank``'s share of ``numel`` elements split evenly over ``size`` ranks (write side)."""
-    return numel * rank // size, numel * (rank + 1) // size
-
-
 def slot_pieces(fg: Any, si: int, dp_rank: int, dp_size: int, whole: bool) -> list[tuple[int, int, int]]:
     """(start in the parameter, start in ``fg.master``, length) of slot ``si``'s elements this rank
     handles: its partition's piece when the group is sharded; otherwise its even share (``whole``
@@ -181,6 +181,9 @@ def _own_weights(view: RankView, whole: bool) -> Iterator[tuple[str, Tensor, Opt
         if canon[name] != name or not torch.is_tensor(t) or t.numel() == 0:
             continue
         piece = None
+        if view.frozen is not None and view.frozen.holds(t):  # its fp32 share: weight_entries/destinations
+            yield WEIGHT_PREFIX + name, t, None
+            continue
         if id(t) in managed:
             fg, si = managed[id(t)]
             for start, mstart, length in slot_pieces(fg, si, *view.share(name), whole=whole):
@@ -198,6 +201,11 @@ def weight_entries(view: RankView) -> dict[str, Any]:
         block = tensor_block(t)
         if piece is not None:
             out[key] = make_piece(piece[0], piece[1], block)
+            continue
+        if view.frozen is not None and view.frozen.holds(t):
+            start, values = view.frozen.piece(t)
+            if values.numel():
+                out[key] = make_piece(values, start, block)
             continue
         lo, hi = even_range(block.numel, *view.share(key[len(WEIGHT_PREFIX):]))
         if hi > lo:
@@ -297,10 +305,15 @@ def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tens
     (non-contiguous tensors). One key holds one piece: a rank's partition of a parameter is contiguous."""
     out: dict[str, Any] = {}
     after: list[tuple[Tensor, Tensor]] = []
+    managed = view.managed()
     for key, t, piece in _own_weights(view, whole=True):
         block = tensor_block(t)
         if piece is not None:
             out[key] = read_piece(piece[0], piece[1], block)
+            continue
+        if view.frozen is not None and view.frozen.holds(t):
+            out[key], copies = _frozen_destination(view.frozen, t, block, managed.get(id(t)), view)
+            after += copies
             continue
         local = local_tensor(t)
         flat = _flat_view(local)
@@ -309,6 +322,24 @@ def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tens
             after.append((flat, local))
         out[key] = read_piece(flat, 0, block)
     return out, after
+
+
+def _frozen_destination(frozen: FrozenFp32, t: Tensor, block: Block, held: Optional[tuple[Any, int]],
+                        view: RankView) -> tuple[FlatPiece, list[tuple[Tensor, Tensor]]]:
+    """A frozen fp32 parameter of frozen_fp32.py is read whole in fp32, then copied into this rank's share and
+    into the 16-bit copy the forward uses: the module's tensor (stages 0-2) or this rank's part of stage 3's
+    frozen partition (``held``: its group and slot)."""
+    start, values = frozen.piece(t)
+    whole = torch.empty(frozen.shares[id(t)].shape.numel(), dtype=torch.float32)
+    copies = [(whole[start : start + values.numel()], values)]
+    local = local_tensor(t)
+    if local.untyped_storage().nbytes() > 0:
+        copies.append((whole, local.detach()))
+    elif held is not None:
+        fg, si = held
+        for pstart, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=True):
+            copies.append((whole[pstart : pstart + length], fg.master[mstart : mstart + length]))
+    return read_piece(whole, 0, block), copies
 
 
 def iter_group_slots(view: RankView, k: int) -> Iterator[tuple[int, Any, Any, str, list[tuple[int, int, int]]]]:

@@ -112,6 +112,7 @@ class StrategyCheckpoints:
         module = self.engines.module
         assert module is not None
         total += sum(b.numel() * b.element_size() for b in module.buffers())
+        total += self.engines.frozen_fp32.nbytes() if self.engines.frozen_fp32 is not None else 0
         self.checkpointer.reserve(int(total * 1.01) + 2**20, pin=self.owner.root_device.type == "cuda")
 
     @property
@@ -145,6 +146,7 @@ class StrategyCheckpoints:
             experts=ExpertNames.of(self.engines.module),
             edp_rank=dims.edp_rank if dims is not None else 0,
             edp_size=dims.edp if dims is not None else 1,
+            frozen=self.engines.frozen_fp32,
         )
 
     def host_state(self) -> Any:
@@ -191,11 +193,23 @@ class StrategyCheckpoints:
             if torch.is_tensor(value) and want is not None and value.dtype != want:
                 value = value.to(want)
             out[k] = value.detach() if torch.is_tensor(value) else value
+        out.update(self._frozen_full(named))
         if self._tp_group() is not None:
             out = tp_full.full_weights(out, named, self._tp_group())
         out = {k: v.cpu() if torch.is_tensor(v) else v for k, v in out.items()}
         pipeline = self.pipeline
         return pipeline.merge_state_dict(out) if pipeline is not None else out
+
+    def _frozen_full(self, named: Mapping[str, Any]) -> dict[str, Tensor]:
+        """The exact fp32 values of the frozen parameters frozen_fp32.py keeps (collective, in state-dict order)."""
+        frozen = self.engines.frozen_fp32
+        if not frozen:
+            return {}
+        done: dict[int, Tensor] = {}
+        for k, v in named.items():
+            if frozen.holds(v) and id(v) not in done:
+                done[id(v)] = frozen.full(v, self.owner.root_device)
+        return {k: done[id(v)] for k, v in named.items() if id(v) in done}
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Sharded format: a marker (the pieces are written by ``save_checkpoint``, nothing is
@@ -346,6 +360,10 @@ class StrategyCheckpoints:
                 raise KeyError(f"State dict mismatch: {result}")
         else:
             module.load_state_dict(sd, strict=strict)
+        frozen = self.engines.frozen_fp32
+        for k, v in module.state_dict(keep_vars=True).items():
+            if frozen is not None and frozen.holds(v) and k in sd:  # frozen_fp32.py: the exact values too
+                frozen.set_full(v, sd[k])
         if not len(self.engines):
             return
         values = {}

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero import environment as E
-from lightning_zero.apply import build_engines, finish_setup, place, prepare_module
+from lightning_zero.apply import build_engines, finish_setup, keep_frozen_fp32, place, prepare_module
 from lightning_zero.checkpoint.sharded import ShardedCheckpointer
 from lightning_zero.checkpoint.strategy_io import StrategyCheckpoints
 from lightning_zero.comm import collectives as C
@@ -312,6 +312,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             raise RuntimeError("Set every optimizer up before the first forward: the module is cast to 16 bits by then.")
         new = [getattr(o, "optimizer", o) for o in optimizers]
         assert self.dims is not None
+        if not self._ready:  # the module is not cast yet (apply.py step 4a)
+            keep_frozen_fp32(self._zero, self._module, [*self._optimizers, *new], self.dims, self.precision)
         build_engines(self._zero, self._module, [*self._optimizers, *new], dims=self.dims, device=self.root_device,
                       precision=self.precision, host=OffloadHost(self.num_processes, self.global_rank, True), only=new)
         self._optimizers += new

@@ -32,13 +32,17 @@ SPECS: dict[str, dict[str, Any]] = {
 
 
 class MastersAtStart(Callback):
-    """The fp32 masters when the second fit's training starts (collective: every rank is here)."""
+    """The fp32 masters when the second fit's training starts (collective: every rank is here), and the frozen
+    Linear's weight the forward computes with (stages 0-2: the module's 16-bit copy)."""
 
     def __init__(self) -> None:
         self.masters: Optional[dict[str, torch.Tensor]] = None
+        self.frozen_compute: Optional[torch.Tensor] = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.masters = trainer.strategy.full_state_dict()
+        weight = pl_module.frozen.weight
+        self.frozen_compute = weight.detach().clone() if weight.untyped_storage().nbytes() else None
 
 
 def _trainer(options: dict[str, Any], steps: int, callbacks: list[Callback]) -> Trainer:
@@ -60,14 +64,40 @@ def _held(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def run(spec: str) -> dict[str, Any]:
+def _resumed_frozen(spec: str, path: str, built: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A model whose frozen Linear holds other values resumes ``path``: the masters at its training start, the
+    16-bit copy its forward uses and the module it gets back must hold the checkpoint's exact frozen values."""
+    torch.manual_seed(1)
+    model = ParityNet(checkpointing=False)
+    assert not torch.equal(model.frozen.weight, built["weight"])
+    probe = MastersAtStart()
+    _trainer(SPECS[spec], 4, [probe]).fit(model, ckpt_path=path)
+    assert probe.masters is not None
+    out = {"masters": sorted(k for k, v in built.items() if torch.equal(probe.masters[f"frozen.{k}"], v))}
+    if probe.frozen_compute is not None:  # stages 0-2: the forward's copy is the exact value, cast
+        out["compute"] = torch.equal(probe.frozen_compute, built["weight"].to(probe.frozen_compute.dtype))
+    if spec != "zero3":
+        out["module"] = sorted(k for k, v in built.items() if torch.equal(model.frozen.state_dict()[k], v))
+    return out
+
+
+def run(spec: str, out_dir: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     model = ParityNet(checkpointing=False)
+    built = {k: v.detach().clone() for k, v in model.frozen.state_dict().items()}  # the frozen Linear, fp32
     trainer = _trainer(SPECS[spec], 3, [])
     trainer.fit(model)
     masters = trainer.strategy.full_state_dict()  # collective
     out: dict[str, Any] = {"spec": spec, "masters_dtypes": sorted({str(v.dtype) for v in masters.values()})}
+    # frozen_fp32.py: the frozen fp32 weights come back exactly as built (they compute in bf16 under the cast)
+    out["frozen_masters_as_built"] = sorted(k for k, v in built.items() if torch.equal(masters[f"frozen.{k}"], v))
+    kept = trainer.strategy._zero.frozen_fp32  # its host copy: this rank's share, counted by storage
+    out["frozen_share_bytes"] = sum(s.values.untyped_storage().nbytes() for s in kept.shares.values()) if kept else 0
+    out["frozen_fp32_bytes"] = sum(v.numel() * 4 for v in built.values())
+    path = os.path.join(out_dir, f"{spec}.ckpt")
+    trainer.save_checkpoint(path)  # sharded (the default format)
+    out["frozen_resumed"] = _resumed_frozen(spec, path, built)
     if spec == "zero3":  # released parameters: refused, not handed back (test_released_state.py)
         try:
             model.state_dict()
@@ -76,6 +106,7 @@ def run(spec: str) -> dict[str, Any]:
             out["state_dict_error"] = str(exc)
         return out
     out["after_fit"] = _held(model)
+    out["frozen_module_as_built"] = sorted(k for k, v in built.items() if torch.equal(model.frozen.state_dict()[k], v))
     state = model.state_dict()
     out["equals_masters"] = sorted(k for k in masters if torch.equal(state[k], masters[k]))
     out["keys"] = sorted(masters)
@@ -86,4 +117,5 @@ def run(spec: str) -> dict[str, Any]:
     _trainer(SPECS[spec], 1, [probe]).fit(model)
     assert probe.masters is not None
     out["second_fit_starts_from_masters"] = sorted(k for k in masters if torch.equal(probe.masters[k], masters[k]))
+    out["frozen_after_second_fit"] = sorted(k for k, v in built.items() if torch.equal(model.frozen.state_dict()[k], v))
     return out

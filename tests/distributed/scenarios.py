@@ -63,4 +63,4 @@ def after_fit(ctx: ScenarioContext) -> dict[str, Any]:
     """``specs``: tests/distributed/after_fit.py SPECS names, run in order; each rank's ``result``: ``{spec: run(spec)}``."""
     from tests.distributed.after_fit import run
 
-    return {spec: run(spec) for spec in ctx.params["specs"]}
+    return {spec: run(spec, str(ctx.out)) for spec in ctx.params["specs"]}

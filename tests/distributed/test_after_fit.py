@@ -45,6 +45,29 @@ def test_a_second_fit_starts_from_the_masters(ranks: list[dict], spec: str) -> N
         assert r[spec]["second_fit_starts_from_masters"] == r[spec]["keys"]
 
 
+@pytest.mark.parametrize("spec", [*CAST, "zero2_autocast", "zero3"])
+def test_frozen_fp32_weights_come_back_exactly_as_built(ranks: list[dict], spec: str) -> None:
+    """ParityNet's frozen fp32 Linear computes in bf16 under the cast layout; before frozen_fp32.py the module after
+    fit, full_state_dict() and checkpoints held it rounded to bf16 (4.8e-4 off), where ddp keeps it as built. A
+    sharded checkpoint resumed into a model built with other values brings back the exact ones, and the 16-bit
+    copy the forward uses is their cast."""
+    shares = [r[spec]["frozen_share_bytes"] for r in ranks]  # the host copies, counted by storage
+    if spec == "zero2_autocast":  # the module stays fp32: nothing to keep
+        assert shares == [0, 0]
+    else:  # the two ranks' even shares add up to one fp32 copy (the frozen Linear's 552 elements: 275 and 277)
+        assert sum(shares) == ranks[0][spec]["frozen_fp32_bytes"] and max(shares) - min(shares) <= 8, shares
+    for r in ranks:
+        got = r[spec]
+        assert got["frozen_masters_as_built"] == ["bias", "weight"], got["frozen_masters_as_built"]
+        if spec != "zero3":
+            assert got["frozen_module_as_built"] == ["bias", "weight"]
+            assert got["frozen_after_second_fit"] == ["bias", "weight"]
+        resumed = got["frozen_resumed"]  # a sharded checkpoint saved after fit, resumed into another model
+        assert resumed["masters"] == ["bias", "weight"], resumed
+        if spec != "zero3":
+            assert resumed["compute"] is True and resumed["module"] == ["bias", "weight"], resumed
+
+
 def test_stage3_still_refuses_the_released_state_dict(ranks: list[dict]) -> None:
     for r in ranks:
         err = r["zero3"]["state_dict_error"]
