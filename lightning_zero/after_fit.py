@@ -29,10 +29,9 @@ from torch.nn import Module
 
 from lightning_zero.comm import collectives as C
 from lightning_zero.engines import Engines
+from lightning_zero.frozen_fp32 import HOST_SHARE  # the fp32 copies of a node's ranks: this share of free memory
 from lightning_zero.offload.pinned import available_host_bytes
 
-HOST_SHARE = 0.5
-"""The fp32 copies of all ranks on a node may take at most this share of the host's free memory."""
 
 
 def needs_restore(engines: Engines, module: Module) -> bool:

@@ -47,7 +47,7 @@ from lightning_zero.config import (
 )
 from lightning_zero.engines import (Engines, check_fp32_params, check_optimizers_own_their_params, check_real_params,
                                     check_supported_layers)
-from lightning_zero.frozen_fp32 import FrozenFp32
+from lightning_zero.frozen_fp32 import FrozenFp32, fits_on_host
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
 from lightning_zero.offload.engines import offload_engine
@@ -92,7 +92,7 @@ def apply_zero(
     if optimizers is not None:
         engines.unshard_to_plain()  # a second fit: stage-3 parameters get their full storage back
         opts = optimizers()
-        keep_frozen_fp32(engines, module, opts, dims, precision)  # before stage 3 partitions them and the cast
+        keep_frozen_fp32(engines, module, opts, dims, precision, host.ranks_per_node)  # before stage 3 partitions them and the cast
         build_engines(engines, module, opts, dims=dims, device=device, precision=precision, host=host)  # 4-5
     elif not build_inference_engine(engines, module, device=device, compute_dtype=precision.compute_dtype,
                                     global_rank=host.global_rank):  # stage 3 evaluating, no fit: ZeRO-Inference
@@ -194,7 +194,7 @@ def build_engines(engines: Engines, module: torch.nn.Module, optimizers: list[Op
 
 
 def keep_frozen_fp32(engines: Engines, module: torch.nn.Module, optimizers: list[Optimizer], dims: ParallelDims,
-                     precision: ZeroPrecision) -> None:
+                     precision: ZeroPrecision, ranks_per_node: int) -> None:
     """Step 4a, frozen_fp32.py [Note: frozen fp32 parameters under the cast layout]: this rank's exact fp32 share
     of every frozen fp32 parameter, taken after rank 0's broadcast and before stage 3 partitions them or the cast
     layout rounds them; the share is the one checkpoints write (the expert-data-parallel ranks' for an expert's)."""
@@ -207,13 +207,17 @@ def keep_frozen_fp32(engines: Engines, module: torch.nn.Module, optimizers: list
             return dims.edp_rank, dims.edp, dims.edp_group
         return dims.dp_rank, dims.dp, dims.dp_group
 
-    engines.frozen_fp32 = FrozenFp32.capture(frozen_params(module, optimizers), share_of, engines.frozen_fp32)
+    frozen = frozen_params(module, optimizers)
+    if not fits_on_host(frozen, dims.dp, ranks_per_node):  # warn_frozen_rounding names them
+        engines.frozen_fp32 = None
+        return
+    engines.frozen_fp32 = FrozenFp32.capture(frozen, share_of, engines.frozen_fp32)
 
 
 def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: ZeroPrecision) -> None:
     """One warning when the cast layout is about to round frozen fp32 parameters to 16 bits for good: those
-    :func:`keep_frozen_fp32` kept no exact share of (built on the meta device, or set up before any optimizer
-    existed: Fabric's ``setup_module``). Their 16-bit copy is all that is left of them, so the module after fit,
+    :func:`keep_frozen_fp32` kept no exact share of (built on the meta device, set up before any optimizer
+    existed: Fabric's ``setup_module``, or too large for the host's free memory). Their 16-bit copy is all that is left of them, so the module after fit,
     ``full_state_dict()`` and checkpoints hold them rounded, where ddp's ``bf16-mixed`` keeps them as built;
     ``mixed_precision='autocast'`` keeps the module fp32."""
     managed = {id(p) for engine in engines for fg in engine.groups for p in fg.params}
@@ -227,9 +231,10 @@ def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: Z
         shown = ", ".join(repr(n) for n in frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
         dtype = dtype_name(precision.compute_dtype)
         rank_zero_warn(f"lightning_zero: {len(frozen)} frozen fp32 parameters ({shown}) are cast to {dtype} under "
-                       f"precision='{precision.precision}' (mixed_precision='cast'): they compute in {dtype}, and the "
-                       f"module after fit, full_state_dict() and checkpoints hold them rounded to {dtype}, where "
-                       "ddp keeps them fp32. ZeroStrategy(mixed_precision='autocast') keeps them as built.")
+                       f"precision='{precision.precision}' (mixed_precision='cast') with no exact fp32 copy kept (built "
+                       "on the meta device, set up before any optimizer, or their copies would not fit in host "
+                       f"memory): the module after fit, full_state_dict() and checkpoints hold them rounded to {dtype}, "
+                       "where ddp keeps them fp32. ZeroStrategy(mixed_precision='autocast') keeps them as built.")
 
 
 def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device, precision: ZeroPrecision) -> None:

@@ -19,8 +19,9 @@ what is read back, saved and loaded is the fp32 value:
   share and the 16-bit copy the forward uses (checkpoint/layout.py);
 * a full state dict loaded into the strategy refreshes the shares (:meth:`FrozenFp32.set_full`).
 
-Parameters built on the meta device (their values are materialised by us, not the user's) and Fabric's
-``setup_module`` before any optimizer exists are not covered; apply.py's warning names what is not.
+Parameters built on the meta device (their values are materialised by us, not the user's), Fabric's
+``setup_module`` before any optimizer exists, and shares that would take over :data:`HOST_SHARE` of the host's
+free memory (:func:`fits_on_host`, one answer for all ranks) are not covered; apply.py's warning names them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ import torch
 from torch import Tensor
 
 from lightning_zero.comm import collectives as C
+from lightning_zero.offload.pinned import available_host_bytes
 from lightning_zero.parallel.dtensor import local_tensor
+
+HOST_SHARE = 0.5
+"""The shares of all ranks on a node may take at most this share of the host's free memory (after_fit.py's)."""
 
 ShareOf = Callable[[Tensor], tuple[int, int, Optional[C.ProcessGroup]]]
 """A parameter -> (this rank's index, number of ranks, their group) among the ranks holding it whole."""
@@ -42,6 +47,21 @@ ShareOf = Callable[[Tensor], tuple[int, int, Optional[C.ProcessGroup]]]
 def even_range(numel: int, rank: int, size: int) -> tuple[int, int]:
     """Rank ``rank``'s share of ``numel`` elements split evenly over ``size`` ranks (checkpoints write these)."""
     return numel * rank // size, numel * (rank + 1) // size
+
+
+def takeable(p: Tensor) -> bool:
+    """Whether :meth:`FrozenFp32.capture` copies ``p``: fp32 values the user built (not meta, not released)."""
+    local = local_tensor(p).detach()
+    return local.dtype == torch.float32 and not local.is_meta and local.untyped_storage().nbytes() > 0
+
+
+def fits_on_host(params: Iterable[Tensor], size: int, ranks_per_node: int) -> bool:
+    """Whether this node has room for every rank's shares (``size``: the ranks a parameter is split over) within
+    :data:`HOST_SHARE` of its free memory; one answer for all ranks (collective), since the shares' gathers are
+    collective and every rank must keep the same parameters."""
+    need = sum(local_tensor(p).numel() * 4 for p in params if takeable(p)) // max(size, 1)
+    ok = ranks_per_node * need <= HOST_SHARE * available_host_bytes()
+    return all(C.all_gather_object(ok, None)) if C.is_initialized() and C.world_size() > 1 else ok
 
 
 @dataclass
@@ -88,7 +108,7 @@ class FrozenFp32:
             local = local_tensor(p).detach()
             if id(p) in shares or not local.is_floating_point():
                 continue
-            if local.dtype != torch.float32 or local.is_meta or local.untyped_storage().nbytes() == 0:
+            if not takeable(p):
                 if previous is not None and previous.holds(p):
                     shares[id(p)] = previous.shares[id(p)]
                 continue

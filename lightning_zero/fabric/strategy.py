@@ -313,7 +313,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         new = [getattr(o, "optimizer", o) for o in optimizers]
         assert self.dims is not None
         if not self._ready:  # the module is not cast yet (apply.py step 4a)
-            keep_frozen_fp32(self._zero, self._module, [*self._optimizers, *new], self.dims, self.precision)
+            keep_frozen_fp32(self._zero, self._module, [*self._optimizers, *new], self.dims, self.precision,
+                             self.num_processes)
         build_engines(self._zero, self._module, [*self._optimizers, *new], dims=self.dims, device=self.root_device,
                       precision=self.precision, host=OffloadHost(self.num_processes, self.global_rank, True), only=new)
         self._optimizers += new

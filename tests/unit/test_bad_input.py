@@ -103,6 +103,22 @@ def test_frozen_fp32_weights_survive_the_cast_layout_exactly(stage: int) -> None
                 assert torch.equal(model.frozen.state_dict()[k], v), (layout, k)
 
 
+def test_frozen_fp32_copies_that_do_not_fit_the_host_are_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the exact shares would take over half the host's free memory, none is kept (one answer for all ranks)
+    and the one warning says the frozen weights come back rounded, which they do."""
+    monkeypatch.setattr("lightning_zero.frozen_fp32.available_host_bytes", lambda: 1024)
+    model = ParityNet(checkpointing=False)
+    built = model.frozen.weight.detach().clone()
+    trainer = _trainer(ZeroStrategy(stage=2), precision="bf16-mixed", limit_val_batches=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model)
+    said = [str(w.message) for w in caught if "frozen fp32 parameters" in str(w.message)]
+    assert len(said) == 1 and "would not fit in host memory" in said[0], said
+    assert trainer.strategy._zero.frozen_fp32 is None
+    assert torch.equal(model.frozen.weight, built.to(torch.bfloat16).float())  # rounded, as the warning says
+
+
 class EmbeddingNet(ParityNet):
     """An embedding beside the dense parameters, built with ``embedding_kwargs``."""
 
