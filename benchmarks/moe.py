@@ -2,13 +2,16 @@
 every other block, ``ZeroStrategy(stage=2, expert_parallel=2)`` on 2 GPUs, against the dense model of
 equal active parameters (the same GPT without MoE: top-1 routing activates one MLP per token) under
 ``zero2``; tokens/s, peak memory per GPU, the all-to-all share of the step and the dropped fraction (mean over
-the timed batches and the MoE layers, per rank).
+the timed batches and the MoE layers, per rank), with the routing's health ([Note: routing health]).
 
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe    # then --config dense; prints one JSON line
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --smoke   # CPU/gloo, tiny model: a check
 
     torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --dispatch capacity   # fixed-capacity buffers
     python -m benchmarks.moe --config moe --local   # one process, no Trainer: see [Note: local overhead]
+    torchrun --nproc-per-node 2 benchmarks/moe.py --config moe --data random   # the random tokens of old
+
+Run from the repository root with ``PYTHONPATH=.`` (benchmarks/ and examples/ are imported as packages).
 
 Rank 0 prints the JSON line, then the record as a row of the RESULTS.md table (:func:`table_row`).
 
@@ -17,6 +20,25 @@ count exchange, forward and backward) are wrapped for the timed steps with CUDA 
 current stream around each call: the interval covers the exchange and any wait for a slower peer (load
 imbalance), which is what the step pays, since the expert computation needs the tokens. The share is
 the sum of those intervals over the timed steps divided by their wall time. Target: below 20% on NVLink.
+
+[Note: routing health] The 2026-11-29 EP 4 rows (RESULTS.md) dropped 84% of the assignments in the timed
+steps, ``1 - 1.25/8``: the router had sent nearly every token to one expert during warm-up, so those steps
+timed a degenerate load (under sorted dispatch one expert per rank does all the work). They trained on uniformly
+random tokens (``--data random`` now); the default is real text (``--data text``: byte tokens of Python's
+bundled documentation through examples/data.py, no download), the kind of load an MoE meets in use. Text is not
+a cure by itself: on CPU (2 gloo ranks, ``--smoke --steps 20``) the run on text drops 1% at the first step and
+30-55% from the fourth on (random tokens: 0-16%), and a 4-layer, 256-wide model with the 50304 vocabulary (one
+process, 4 x 256 tokens a step) drops 47-74% at steps 3-5 on either data. The schedule (peak LR 1e-3 after 2
+warm-up steps on a fresh model, aux loss 0.01) looks like the driver more than the data: at ``--lr 1e-4`` the
+smoke run on text stays at 0-36% over 20 steps. So the routing is measured,
+not assumed: the record carries the dropped fraction of every step (``dropped_fraction_steps``), of the first
+step (the initial router) and of the last warm-up step, beside the timed mean, and ``routing_collapsed``: the
+last warm-up step or the timed mean above ``--max-dropped`` on any rank. Its default is half of the *collapse
+value* ``1 - capacity_factor / experts`` (top-1: the fraction dropped when every token picks one expert, whose
+capacity keeps ``capacity_factor / experts`` of them): a router at least halfway from a balanced load (0
+dropped) to a single expert; 0.42 for 8 experts at 1.25 (a fixed 0.5 would never fire with 2 experts, whose
+collapse value is 0.375). A collapsed record marks its table row's dropped-fraction cell and prints a WARNING
+line under it: its tokens/s time a degenerate routing.
 """
 
 from __future__ import annotations
@@ -35,7 +57,9 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import lightning_zero  # noqa: E402
+from examples.data import WindowDataset, load_corpus, tokenize  # noqa: E402
 from examples.gpt import GPTConfig, GPTModule  # noqa: E402
+from examples.gpt_module import OptimConfig  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import MoE  # noqa: E402
 
@@ -43,8 +67,12 @@ GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=102
 SMOKE = dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=64)
 
 
+CAPACITY_FACTOR = 1.25
+"""The MoE layers' training capacity factor (top-1)."""
+
+
 class Tokens(Dataset):
-    """Random token ids: throughput does not depend on the text."""
+    """Random token ids (``--data random``; the rows up to 2026-11-29): nothing for the router to split on."""
 
     def __init__(self, n: int, seq_len: int, vocab: int) -> None:
         g = torch.Generator().manual_seed(0)
@@ -55,6 +83,43 @@ class Tokens(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[i, :-1], self.data[i, 1:]
+
+
+def text_windows(n: int, seq_len: int) -> WindowDataset:
+    """``n`` next-token windows of ``seq_len`` byte tokens spread over the example's corpus (Python's documentation,
+    ~466K bytes): non-overlapping where the corpus holds ``n`` of them, else with the stride that fits ``n``
+    (GPT-1.3B's shape at 4 GPUs x 8 x 16 steps overlaps neighbours by ~11%): one epoch covers the run, so no
+    epoch boundary falls among the timed steps."""
+    tokens = tokenize(load_corpus("pydoc"))
+    stride = max(1, min(seq_len, (tokens.numel() - seq_len - 1) // max(1, n - 1)))
+    data = WindowDataset(tokens, seq_len, stride)
+    if len(data) < n:
+        raise ValueError(f"The corpus ({tokens.numel()} tokens) holds {len(data)} windows of {seq_len}, not {n}.")
+    return data
+
+
+def collapse_dropped(experts: int, capacity_factor: float = CAPACITY_FACTOR) -> float:
+    """The dropped fraction of a top-1 router that sends every token to one expert ([Note: routing health])."""
+    return max(0.0, 1.0 - capacity_factor / experts)
+
+
+def routing_collapsed(record: dict[str, Any], max_dropped: float) -> bool:
+    """Whether the routing in ``record`` degenerated: its last warm-up step or its timed mean dropped more than
+    ``max_dropped`` of the assignments ([Note: routing health])."""
+    return max(record["dropped_fraction_warmup_end"], record["dropped_fraction"]) > max_dropped
+
+
+def collapse_warning(records: list[dict[str, Any]]) -> str | None:
+    """The line printed under the table row when the routing of any rank's record collapsed (each record's own
+    ``routing_collapsed``); None when every rank's routing is healthy."""
+    bad = [(rank, r) for rank, r in enumerate(records) if r.get("routing_collapsed")]
+    if not bad:
+        return None
+    figures = "; ".join(f"rank {rank} {r['dropped_fraction_init']:.1%} / {r['dropped_fraction_warmup_end']:.1%} / "
+                        f"{r['dropped_fraction']:.1%}" for rank, r in bad)
+    return (f"WARNING: routing collapsed: dropped at the first step / the end of warm-up / in the timed steps: "
+            f"{figures} (max {bad[0][1]['max_dropped']:.1%}; every token on one expert drops "
+            f"{bad[0][1]['collapse_dropped']:.1%}): the timed steps measure a degenerate routing")
 
 
 class A2ATimer:
@@ -107,10 +172,11 @@ def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
         return ", ".join(format(r[key], fmt) for r in records)
 
     config = record["config"] + (f" ({record['dispatch']})" if record.get("dispatch") else "")
+    collapsed = " **routing collapsed**" if record.get("routing_collapsed") else ""
     return (f"| {config} | {record['world']} | {record['ep']} | {record['experts']} "
             f"| {record['tokens_per_s']:,.0f} | {record['step_s']:.4f} "
             f"| {record['all_to_all_share']:.1%} ({ranks('all_to_all_share', '.1%')}) "
-            f"| {record['dropped_fraction']:.2%} ({ranks('dropped_fraction', '.2%')}) "
+            f"| {record['dropped_fraction']:.2%} ({ranks('dropped_fraction', '.2%')}){collapsed} "
             f"| {record['peak_memory_gib']:.1f} ({ranks('peak_memory_gib', '.1f')}) |")
 
 
@@ -187,19 +253,23 @@ def local_overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class StepClock(L.Callback):
-    """Wall time of the steps after ``warmup``, all-to-all timing on for those steps."""
+    """Wall time of the steps after ``warmup``, all-to-all timing on for those steps; the dropped fraction of
+    every step, warm-up included ([Note: routing health])."""
 
     def __init__(self, warmup: int, timer: A2ATimer) -> None:
         self.warmup, self.timer, self.start, self.steps = warmup, timer, 0.0, 0
         self.dropped: list[torch.Tensor] = []
-        """Per timed batch, the mean over MoE layers of the dropped fraction: device scalars, read once at the end."""
+        """Per batch from the first, the mean over MoE layers of the dropped fraction of its forward: device
+        scalars, read once at the end (a host read per step would stall the GPU)."""
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if not self.timer.active:
-            return
         dropped = layers_dropped_fraction(pl_module)
         if dropped is not None:
             self.dropped.append(dropped)
+
+    def dropped_fractions(self) -> list[float]:
+        """The per-step dropped fractions, read to the host (empty without MoE layers)."""
+        return torch.stack(self.dropped).tolist() if self.dropped else []
 
     def _sync(self) -> None:
         if torch.cuda.is_available():
@@ -222,10 +292,16 @@ def main() -> None:
     p.add_argument("--config", choices=["moe", "dense"], required=True)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--micro-batch", type=int, default=None, help="per GPU; default 8 (2 with --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="default 20 (4 with --smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps; default 5 (1 with --smoke)")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model")
+    p.add_argument("--data", choices=["text", "random"], default="text",
+                   help="text: the example's corpus (Python's documentation, byte tokens); random: uniform token "
+                        "ids, on which the router collapses ([Note: routing health])")
+    p.add_argument("--lr", type=float, default=OptimConfig.lr, help="peak AdamW LR (after 2 warm-up steps)")
+    p.add_argument("--max-dropped", type=float, default=None,
+                   help="routing_collapsed above this dropped fraction; default half of 1 - 1.25/experts")
     p.add_argument("--dispatch", choices=["sorted", "capacity"], default="sorted",
                    help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
     p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
@@ -236,15 +312,20 @@ def main() -> None:
     if args.local:
         print(json.dumps(local_overhead(args)))
         return
-    if args.smoke:
-        args.micro_batch, args.steps, args.warmup = 2, 4, 1
+    for name, full, smoke in (("micro_batch", 8, 2), ("steps", 20, 4), ("warmup", 5, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else full)
+    if not 0 < args.warmup < args.steps:
+        raise SystemExit(f"--warmup ({args.warmup}) must be at least 1 and below --steps ({args.steps}).")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     moe = args.config == "moe"
     shape = SMOKE if args.smoke else GPT_1B
-    cfg = GPTConfig(**shape, moe_experts=args.experts if moe else 0, moe_top_k=1, moe_capacity_factor=1.25)
+    cfg = GPTConfig(**shape, moe_experts=args.experts if moe else 0, moe_top_k=1,
+                    moe_capacity_factor=CAPACITY_FACTOR)
     ep = args.ep if moe else 1
     L.seed_everything(0)
-    module = GPTModule(cfg, max_steps=args.steps, fused=not args.smoke, warmup_steps=2, expert_parallel=ep)
+    module = GPTModule(cfg, max_steps=args.steps, fused=not args.smoke, warmup_steps=2, lr=args.lr,
+                       expert_parallel=ep)
     for layer in module.modules():  # the layers exist by now (not deferred); capacity needs drop_tokens (default)
         if isinstance(layer, MoE):
             layer.dispatch = args.dispatch
@@ -256,28 +337,44 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
     )
-    data = DataLoader(Tokens(args.micro_batch * world * (args.steps + 1), cfg.seq_len, cfg.vocab_size),
-                      batch_size=args.micro_batch, num_workers=0)
+    samples = args.micro_batch * world * (args.steps + 1)
+    text = args.data == "text"
+    dataset = text_windows(samples, cfg.seq_len) if text else Tokens(samples, cfg.seq_len, cfg.vocab_size)
+    # shuffled text: Lightning's DistributedSampler shuffles (seeded by seed_everything) and splits over the ranks
+    data = DataLoader(dataset, batch_size=args.micro_batch, shuffle=text, num_workers=0)
     trainer.fit(module, train_dataloaders=data)
     tokens = clock.steps * args.micro_batch * world * cfg.seq_len
     a2a = timer.seconds()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    dropped = clock.dropped_fractions()  # per step from the first; [0.0] * steps without MoE layers
+    dropped = dropped or [0.0] * args.steps
+    collapse = collapse_dropped(cfg.moe_experts) if moe else 0.0
+    max_dropped = args.max_dropped if args.max_dropped is not None else collapse / 2
     record = {
         "config": args.config, "dispatch": args.dispatch if moe else None, "experts": cfg.moe_experts, "ep": ep,
         "world": world, "micro_batch": args.micro_batch,
         "params_per_rank": sum(p.numel() for p in module.parameters()),
         "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),
         "peak_memory_gib": peak, "all_to_all_share": a2a / clock.elapsed if moe else 0.0,
-        "dropped_fraction": float(torch.stack(clock.dropped).mean()) if clock.dropped else 0.0,
+        "data": args.data, "lr": args.lr, "dropped_fraction": sum(dropped[args.warmup:]) / len(dropped[args.warmup:]),
+        "dropped_fraction_init": dropped[0], "dropped_fraction_warmup_end": dropped[args.warmup - 1],
+        "dropped_fraction_steps": [round(d, 4) for d in dropped], "collapse_dropped": collapse,
+        "max_dropped": max_dropped,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
+    record["routing_collapsed"] = moe and routing_collapsed(record, max_dropped)
     records = C.all_gather_object(record, None)
     if trainer.global_rank == 0:
-        print(json.dumps({**record, "per_rank_peak_gib": [r["peak_memory_gib"] for r in records],
-                          "per_rank_a2a_share": [r["all_to_all_share"] for r in records],
-                          "per_rank_dropped_fraction": [r["dropped_fraction"] for r in records]}))
+        run = {**record, "routing_collapsed": any(r["routing_collapsed"] for r in records)}  # any rank's is the run's
+        per_rank = {"peak_gib": "peak_memory_gib", "a2a_share": "all_to_all_share",
+                    "dropped_fraction": "dropped_fraction", "dropped_fraction_init": "dropped_fraction_init",
+                    "dropped_fraction_warmup_end": "dropped_fraction_warmup_end"}
+        print(json.dumps({**run, **{f"per_rank_{k}": [r[v] for r in records] for k, v in per_rank.items()}}))
         print(TABLE_HEADER)
-        print(table_row(record, records))
+        print(table_row(run, records))
+        warning = collapse_warning(records)
+        if warning:
+            print(warning)
 
 
 if __name__ == "__main__":
