@@ -58,6 +58,9 @@ class Engines:
         self.dims: Optional[ParallelDims] = None
         self.orig_dtypes: dict[str, torch.dtype] = {}
         """The module's state-dict dtypes before the cast: what checkpoints restore."""
+        self.rounded_start: list[str] = []
+        """Trainable parameters whose masters were taken from 16-bit copies (:func:`rounded_params`); cleared by
+        a checkpoint load, refused at the first training step otherwise."""
         self.frozen_fp32: Optional[FrozenFp32] = None
         """Exact fp32 shares of frozen parameters the cast layout computes in 16 bits (frozen_fp32.py)."""
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
@@ -165,6 +168,15 @@ class Engines:
 
     def start_step(self, kind: str) -> None:
         """Buffers from rank 0 (buffers.py); stage-3 root and resident units gathered."""
+        if self.rounded_start and kind == "train":
+            names, self.rounded_start = self.rounded_start, []
+            raise RuntimeError(
+                f"Parameter '{names[0]}'{f' and {len(names) - 1} more' if len(names) > 1 else ''} held the previous "
+                "fit's 16-bit training copy when this fit set up (its fp32 master was not handed back after that "
+                "fit: no room, as warned then), so training would start from rounded weights, unlike ddp. Load the "
+                "fp32 weights first (`model.load_state_dict(old_strategy.full_state_dict())`), or resume from a "
+                "checkpoint (`trainer.fit(model, ckpt_path=...)`)."
+            )
         if self.buffer_sync is not None and kind in ("train", "val"):
             self.buffer_sync.sync()
         for engine in self:
@@ -406,6 +418,15 @@ def check_fp32_params(optimizers: list[Optimizer], names: dict[int, str], dtypes
                         "so it would train differently. Build it in fp32 (`module.float()`) and choose 16-bit "
                         "compute with the precision (`precision='bf16-mixed'`), or freeze it."
                     )
+
+
+def rounded_params(optimizers: list[Optimizer], names: dict[int, str], dtypes: dict[str, torch.dtype]) -> list[str]:
+    """Trainable fp32 parameters that hold the cast layout's 16-bit copy when engines are built (the previous fit
+    could not hand the masters back: after_fit.py warned there was no room): masters taken from them are rounded
+    (:meth:`Engines.start_step` refuses to train from them unless a checkpoint replaced them)."""
+    return [names.get(id(p), "?") for opt in optimizers for pg in opt.param_groups for p in pg["params"]
+            if p.requires_grad and dtypes.get(names.get(id(p), "?"), p.dtype) == torch.float32
+            and p.dtype != torch.float32]
 
 
 def check_supported_layers(module: Module) -> None:

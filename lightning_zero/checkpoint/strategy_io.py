@@ -334,6 +334,7 @@ class StrategyCheckpoints:
             engine.after_master_load()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.engines.rounded_start = []  # the masters are the checkpoint's now (engines.py rounded_params)
         sd = checkpoint["state_dict"]
         if isinstance(sd, ShardedStateDict):
             assert sd.path is not None

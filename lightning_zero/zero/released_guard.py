@@ -20,7 +20,7 @@ for names and identities and take values from the masters, so the guard lets ``k
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -91,8 +91,18 @@ def guard_released_modules(model: nn.Module, engine: _Units) -> list[RemovableHa
                 "checkpoint (Lightning checkpoints hold a plain state dict)."
             )
 
+    guard.lightning_zero_released_guard = True  # type: ignore[attr-defined]  # found by guarded_by_a_strategy
     return [
         m.register_forward_pre_hook(guard)
         for m in model.modules()
         if any(id(p) in unit_of for p in m.parameters(recurse=False))
     ]
+
+
+def guarded_by_a_strategy(model: nn.Module) -> Optional[str]:
+    """The name of the first submodule a stage-3 engine's forward guard is on (its strategy still partitions it;
+    on one rank the parameters alias the partition, so their storage does not tell), None when none is."""
+    for name, m in model.named_modules():
+        if any(getattr(h, "lightning_zero_released_guard", False) for h in m._forward_pre_hooks.values()):
+            return name or type(m).__name__
+    return None

@@ -558,8 +558,8 @@ class Stage3Engine(Stage2Engine):
         self._module_hooks = []
 
     def unshard_to_plain(self) -> None:
-        """Give every parameter its own full storage again (from the fp32 masters), e.g. before a new
-        engine is built for a second ``fit``. Collective; costs the full model's memory."""
+        """Give every parameter its own full storage again, the masters' values in their dtype (fp32), e.g. before
+        a new engine is built for a second ``fit``. Collective; costs the full model's memory in fp32."""
         from lightning_zero.zero.state_dict import gather_flat
 
         self.remove_hooks()
@@ -567,7 +567,9 @@ class Stage3Engine(Stage2Engine):
             full = gather_flat(self, fg, fg.master)
             for slot in fg.layout.slots:
                 p = local_tensor(fg.params[slot.index])
-                point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.compute_dtype).clone())
+                # in the masters' dtype (fp32 for what an optimizer steps): the next engine takes its masters from
+                # these values, so the compute dtype would start a second fit from rounded weights, unlike ddp's
+                point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.master.dtype).clone())
         self._gathered.clear()
         self._pending.clear()
         self._inexact.clear()

@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 
 import lightning_zero
 from lightning_zero import ZeroPrecision, ZeroStrategy
@@ -117,6 +117,69 @@ def test_frozen_fp32_copies_that_do_not_fit_the_host_are_announced(monkeypatch: 
     assert len(said) == 1 and "would not fit in host memory" in said[0], said
     assert trainer.strategy._zero.frozen_fp32 is None
     assert torch.equal(model.frozen.weight, built.to(torch.bfloat16).float())  # rounded, as the warning says
+
+
+class MastersAtStart(Callback):
+    def __init__(self) -> None:
+        self.masters: dict = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module) -> None:
+        self.masters = trainer.strategy.full_state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_second_fit_with_the_same_trainer_starts_from_the_fp32_masters(stage: int) -> None:
+    """``trainer.fit`` again with more steps, as ddp continues from its fp32 weights. Stage 3 refused it (the
+    released parameters' cast dtype was taken for the user's), and before that started from weights ungathered in
+    bf16, i.e. rounded masters."""
+    probe = MastersAtStart()
+    model = ParityNet(checkpointing=False)
+    trainer = _trainer(ZeroStrategy(stage=stage), precision="bf16-mixed", limit_val_batches=0, callbacks=[probe])
+    trainer.fit(model)
+    after_first = trainer.strategy.full_state_dict()
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model)
+    assert trainer.global_step == 4
+    assert sorted(k for k, v in after_first.items() if torch.equal(probe.masters[k], v)) == sorted(after_first)
+
+
+def test_a_second_fit_from_a_module_left_in_16_bits_is_refused_unless_resuming(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path) -> None:
+    """No room to hand the masters back (after_fit.py warns): the module keeps bf16 copies, and new masters taken
+    from them would be rounded. Refused at the first step, before any update; a resume from a checkpoint replaces
+    them and is fine."""
+    monkeypatch.setattr("lightning_zero.after_fit.available_host_bytes", lambda: 1024)
+    model = ParityNet(checkpointing=False)
+    trainer = _trainer(ZeroStrategy(stage=2), precision="bf16-mixed", limit_val_batches=0)
+    trainer.fit(model)
+    assert model.blocks[0].up.weight.dtype == torch.bfloat16  # kept, as warned
+    ckpt = str(tmp_path / "last.ckpt")
+    trainer.save_checkpoint(ckpt)
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    with pytest.raises(RuntimeError, match=r"held the previous fit's 16-bit training copy when this fit set up"):
+        trainer.fit(model)
+    assert trainer.global_step == 2
+    trainer.fit(model, ckpt_path=ckpt)
+    assert trainer.global_step == 4
+
+
+def test_a_new_trainer_on_a_module_stage_3_still_partitions_is_refused_at_setup() -> None:
+    """Stage 3 does not hand the module back (after_fit.py). A new Trainer on it failed at the first forward
+    naming a gather (one rank: the first fit's forward guard) or read zero-byte storage (2+ ranks, released
+    parameters: tests/distributed/test_released_state.py): now one error before any step says what to do, and
+    doing it (the full weights into a fresh model) trains."""
+    model = ParityNet(checkpointing=False)
+    first = _trainer(ZeroStrategy(stage=3), limit_val_batches=0)
+    first.fit(model)
+    second = _trainer(ZeroStrategy(stage=3), limit_val_batches=0)
+    with pytest.raises(RuntimeError, match=r"partitioned by another strategy's ZeRO stage 3 \(a previous Trainer's"):
+        second.fit(model)
+    assert second.global_step == 0
+    fresh = ParityNet(checkpointing=False)
+    fresh.load_state_dict(first.strategy.full_state_dict())
+    second = _trainer(ZeroStrategy(stage=3), limit_val_batches=0)
+    second.fit(fresh)
+    assert second.global_step == 2
 
 
 class EmbeddingNet(ParityNet):
