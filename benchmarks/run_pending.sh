@@ -208,7 +208,9 @@ case "$CALL" in
   B2)  # 4 GPUs: what B's limit cut (2026-11-29 14:08): dense against MoE at EP 4 in one call (benchmarks/moe.py on
        # real text since the router collapsed on random tokens), then the pipeline sweep
     for c in dense moe; do
-      timeout 120 $TR 4 benchmarks/moe.py --config $c --ep 4 --dispatch capacity --steps 15 --warmup 5 \
+      # --lr 1e-4: at the default 1e-3 reached in 2 steps the router collapsed on CPU on text too (9f90219)
+      PYTHONPATH=$PYTHONPATH timeout 120 $TR 4 benchmarks/moe.py --config $c --ep 4 --dispatch capacity --lr 1e-4 \
+        --steps 15 --warmup 5 \
         > "$OUT/moe_$c.log" 2>&1; mark "moe $c" $?
     done
     timeout $(( $(left) - 5 )) $TR 4 benchmarks/pipeline.py --sweep --global-batch 64 --steps 8 --warmup 3 \
