@@ -45,8 +45,8 @@ from lightning_zero.comm.compressed import protocol as compressed_comm
 from lightning_zero.config import (
     Fp8Config, OffloadConfig, QuantCommConfig, SequenceConfig, Stage3Config, StatePrecisionConfig,
 )
-from lightning_zero.engines import (Engines, check_fp32_params, rounded_params, check_optimizers_own_their_params, check_real_params,
-                                    check_supported_layers)
+from lightning_zero.engines import (Engines, check_fp32_params, check_optimizers_own_their_params, check_real_params,
+                                    check_supported_layers, rounded_params)
 from lightning_zero.frozen_fp32 import FrozenFp32, fits_on_host
 from lightning_zero.inference.engine import build_inference_engine
 from lightning_zero.moe.parallel import bind_expert_parallel
@@ -94,7 +94,7 @@ def apply_zero(
         opts = optimizers()
         engines.rounded_start = rounded_params(opts, {id(p): n for n, p in module.named_parameters()},
                                                engines.orig_dtypes)  # refused at the first step unless loaded over
-        keep_frozen_fp32(engines, module, opts, dims, precision, host.ranks_per_node)  # before stage 3 partitions them and the cast
+        keep_frozen_fp32(engines, module, opts, dims, precision, host.ranks_per_node)  # 4a
         build_engines(engines, module, opts, dims=dims, device=device, precision=precision, host=host)  # 4-5
     elif not build_inference_engine(engines, module, device=device, compute_dtype=precision.compute_dtype,
                                     global_rank=host.global_rank):  # stage 3 evaluating, no fit: ZeRO-Inference
@@ -241,9 +241,9 @@ def keep_frozen_fp32(engines: Engines, module: torch.nn.Module, optimizers: list
 def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: ZeroPrecision) -> None:
     """One warning when the cast layout is about to round frozen fp32 parameters to 16 bits for good: those
     :func:`keep_frozen_fp32` kept no exact share of (built on the meta device, set up before any optimizer
-    existed: Fabric's ``setup_module``, or too large for the host's free memory). Their 16-bit copy is all that is left of them, so the module after fit,
-    ``full_state_dict()`` and checkpoints hold them rounded, where ddp's ``bf16-mixed`` keeps them as built;
-    ``mixed_precision='autocast'`` keeps the module fp32."""
+    existed: Fabric's ``setup_module``, or too large for the host's free memory). Their 16-bit copy is all that is
+    left of them, so the module after fit, ``full_state_dict()`` and checkpoints hold them rounded, where ddp's
+    ``bf16-mixed`` keeps them as built; ``mixed_precision='autocast'`` keeps the module fp32."""
     managed = {id(p) for engine in engines for fg in engine.groups for p in fg.params}
     if not precision.is_mixed or not managed:  # 32-true, autocast, or no training (predict)
         return
@@ -255,10 +255,10 @@ def warn_frozen_rounding(engines: Engines, module: torch.nn.Module, precision: Z
         shown = ", ".join(repr(n) for n in frozen[:3]) + (f" and {len(frozen) - 3} more" if len(frozen) > 3 else "")
         dtype = dtype_name(precision.compute_dtype)
         rank_zero_warn(f"lightning_zero: {len(frozen)} frozen fp32 parameters ({shown}) are cast to {dtype} under "
-                       f"precision='{precision.precision}' (mixed_precision='cast') with no exact fp32 copy kept (built "
-                       "on the meta device, set up before any optimizer, or their copies would not fit in host "
-                       f"memory): the module after fit, full_state_dict() and checkpoints hold them rounded to {dtype}, "
-                       "where ddp keeps them fp32. ZeroStrategy(mixed_precision='autocast') keeps them as built.")
+                       f"precision='{precision.precision}' (mixed_precision='cast') with no exact fp32 copy kept "
+                       "(built on the meta device, set up before any optimizer, or their copies would not fit in "
+                       "host memory): the module after fit, full_state_dict() and checkpoints hold them rounded to "
+                       f"{dtype}, where ddp keeps them fp32. ZeroStrategy(mixed_precision='autocast') keeps them.")
 
 
 def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device, precision: ZeroPrecision) -> None:

@@ -173,9 +173,9 @@ class Engines:
             raise RuntimeError(
                 f"Parameter '{names[0]}'{f' and {len(names) - 1} more' if len(names) > 1 else ''} held the previous "
                 "fit's 16-bit training copy when this fit set up (its fp32 master was not handed back after that "
-                "fit: no room, as warned then), so training would start from rounded weights, unlike ddp. Load the "
-                "fp32 weights first (`model.load_state_dict(old_strategy.full_state_dict())`), or resume from a "
-                "checkpoint (`trainer.fit(model, ckpt_path=...)`)."
+                "fit: no room, as warned then), so training would start from rounded weights, unlike ddp. Resume "
+                "from a checkpoint of that fit (`trainer.fit(model, ckpt_path=...)`), or, before fitting again, "
+                "load the fp32 weights `trainer.strategy.full_state_dict()` gives after a fit into the module."
             )
         if self.buffer_sync is not None and kind in ("train", "val"):
             self.buffer_sync.sync()

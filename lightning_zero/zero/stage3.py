@@ -569,7 +569,8 @@ class Stage3Engine(Stage2Engine):
                 p = local_tensor(fg.params[slot.index])
                 # in the masters' dtype (fp32 for what an optimizer steps): the next engine takes its masters from
                 # these values, so the compute dtype would start a second fit from rounded weights, unlike ddp's
-                point_local(fg.params[slot.index], full[slot.offset : slot.offset + slot.numel].view(p.shape).to(fg.master.dtype).clone())
+                value = full[slot.offset : slot.offset + slot.numel].view(p.shape)
+                point_local(fg.params[slot.index], value.to(fg.master.dtype).clone())
         self._gathered.clear()
         self._pending.clear()
         self._inexact.clear()
