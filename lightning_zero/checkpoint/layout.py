@@ -327,18 +327,17 @@ def weight_destinations(view: RankView) -> tuple[dict[str, Any], list[tuple[Tens
 def _frozen_destination(frozen: FrozenFp32, t: Tensor, block: Block, held: Optional[tuple[Any, int]],
                         view: RankView) -> tuple[FlatPiece, list[tuple[Tensor, Tensor]]]:
     """A frozen fp32 parameter of frozen_fp32.py is read whole in fp32, then copied into this rank's share and
-    into the 16-bit copy the forward uses: the module's tensor (stages 0-2) or this rank's part of stage 3's
-    frozen partition (``held``: its group and slot)."""
+    into the 16-bit copy the forward uses: this rank's part of stage 3's frozen partition (``held``: its group and
+    slot; never the parameter itself, which a persistent or gathered unit aliases) or the module's tensor."""
     start, values = frozen.piece(t)
     whole = torch.empty(frozen.shares[id(t)].shape.numel(), dtype=torch.float32)
     copies = [(whole[start : start + values.numel()], values)]
-    local = local_tensor(t)
-    if local.untyped_storage().nbytes() > 0:
-        copies.append((whole, local.detach()))
-    elif held is not None:
+    if held is not None:  # stage 3: its partition (a gathered unit's parameters are refreshed from it after load)
         fg, si = held
         for pstart, mstart, length in slot_pieces(fg, si, view.dp_rank, view.dp_size, whole=True):
             copies.append((whole[pstart : pstart + length], fg.master[mstart : mstart + length]))
+    else:
+        copies.append((whole, local_tensor(t).detach()))
     return read_piece(whole, 0, block), copies
 
 
