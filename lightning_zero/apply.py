@@ -62,7 +62,7 @@ from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import compile_for_strategy
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.materialize import has_meta_params, make_unit_materializer, materialize_modules
-from lightning_zero.zero.released_guard import guard_state_dicts, guarded_by_a_strategy
+from lightning_zero.zero.released_guard import guard_state_dicts, refuse_released_elsewhere
 from lightning_zero.zero.shard_comm import ShardComm, is_expert
 from lightning_zero.zero.stage1 import Stage1Engine
 from lightning_zero.zero.stage2 import Stage2Engine
@@ -124,24 +124,6 @@ def prepare_module(engines: Engines, module: torch.nn.Module, dims: ParallelDims
     if not again:
         engines.orig_dtypes = {k: v.dtype for k, v in module.state_dict(keep_vars=True).items() if torch.is_tensor(v)}
         engines.orig_buffer_dtypes = {k: b.dtype for k, b in module.named_buffers()}
-
-
-def refuse_released_elsewhere(module: torch.nn.Module) -> None:
-    """A module another strategy's ZeRO-3 still partitions (a previous Trainer's fit: stage 3 does not hand the
-    module back, after_fit.py) has no weights here to set up from: one clear error before any work, where the
-    first forward failed naming a gather."""
-    released = [n for n, p in module.named_parameters()
-                if p.numel() and not p.is_meta and local_tensor(p).untyped_storage().nbytes() == 0]
-    guarded = guarded_by_a_strategy(module)
-    if released or guarded is not None:
-        what = f"'{released[0]}' and {len(released) - 1} more" if released else f"those of '{guarded}'"
-        raise RuntimeError(
-            f"The module's parameters ({what}) are partitioned by another "
-            "strategy's ZeRO stage 3 (a previous Trainer's fit), so this one has no weights to set up from. Go on "
-            "with that Trainer (`trainer.fit` again continues), or give this one the full weights: "
-            "`model.load_state_dict(old_trainer.strategy.full_state_dict())` on a fresh model, or "
-            "`ckpt_path=` a checkpoint of that fit."
-        )
 
 
 def place(module: torch.nn.Module, device: torch.device) -> None:

@@ -185,7 +185,6 @@ def build_inference_engine(engines: Any, module: nn.Module, *, device: torch.dev
     if not any(p.is_floating_point() for p in module.parameters()):
         return False
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    check_not_released(module)
     engine = InferenceEngine(
         module, dims.dp_group, compute_dtype, device, stage3=config.piece(Stage3Config),
         offload=config.piece(OffloadConfig), global_rank=global_rank, param_group=dims.dp_param_group,
@@ -194,17 +193,3 @@ def build_inference_engine(engines: Any, module: nn.Module, *, device: torch.dev
     )
     engines.by_optimizer = {id(engine.optimizer): engine}
     return True
-
-
-def check_not_released(module: nn.Module) -> None:
-    """Refuse a module whose parameters another strategy's stage-3 engine released (an earlier Trainer's
-    ``fit`` or ``predict``): their values live in that engine's partitions, not in the module."""
-    for name, p in module.named_parameters():
-        t = local_tensor(p)
-        if t.numel() and not t.is_meta and t.untyped_storage().nbytes() == 0:
-            raise RuntimeError(
-                f"'{name}' has no storage: the ZeRO-3 engine of another strategy (an earlier Trainer's fit or predict) "
-                "partitioned it and holds its values. Evaluate with that Trainer (`trainer.predict(model)`), or "
-                "build the module anew and load the weights (`Trainer(...).predict(MyModule(), ckpt_path=...)`, "
-                "`MyModule.load_from_checkpoint(...)`)."
-            )

@@ -25,6 +25,8 @@ from typing import Any, Optional, Protocol
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_zero.parallel.dtensor import local_tensor
+
 
 class _Units(Protocol):
     """What the forward guard reads of a stage-3 engine (stage3.py's ``Stage3Engine``)."""
@@ -42,9 +44,13 @@ _STATE_FIX = (
 )
 
 
+def _is_released(p: nn.Parameter) -> bool:
+    t = local_tensor(p)
+    return bool(t.numel()) and not t.is_meta and t.untyped_storage().nbytes() == 0
+
+
 def _released(module: nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters(recurse=False)
-            if not p.is_meta and p.numel() and p.untyped_storage().nbytes() == 0]
+    return [n for n, p in module.named_parameters(recurse=False) if _is_released(p)]
 
 
 def guard_state_dicts(model: nn.Module) -> list[RemovableHandle]:
@@ -106,3 +112,21 @@ def guarded_by_a_strategy(model: nn.Module) -> Optional[str]:
         if any(getattr(h, "lightning_zero_released_guard", False) for h in m._forward_pre_hooks.values()):
             return name or type(m).__name__
     return None
+
+
+def refuse_released_elsewhere(model: nn.Module) -> None:
+    """A module another strategy's ZeRO-3 still partitions (an earlier Trainer's ``fit`` or ``predict``: stage 3 does
+    not hand the module back) has no values here to set up from: one clear error before any work, for a fit and an
+    evaluation alike. Released parameters have zero-byte storage; on one rank they alias the partition, so the
+    other strategy's forward guard tells (where the first forward used to fail naming a gather)."""
+    released = [n for n, p in model.named_parameters() if _is_released(p)]
+    guarded = guarded_by_a_strategy(model)
+    if released or guarded is not None:
+        what = f"'{released[0]}' and {len(released) - 1} more" if released else f"those of '{guarded}'"
+        raise RuntimeError(
+            f"The module's parameters ({what}) are partitioned by another strategy's ZeRO stage 3 (an earlier "
+            "Trainer's fit or predict), which holds their values. Go on with that Trainer (`trainer.fit` or "
+            "`trainer.predict` again), or build the module anew and give it the weights: "
+            "`model.load_state_dict(old_trainer.strategy.full_state_dict())`, or a checkpoint of that run "
+            "(`ckpt_path=...`, `MyModule.load_from_checkpoint(...)`)."
+        )

@@ -172,7 +172,7 @@ def test_a_new_trainer_on_a_module_stage_3_still_partitions_is_refused_at_setup(
     first = _trainer(ZeroStrategy(stage=3), limit_val_batches=0)
     first.fit(model)
     second = _trainer(ZeroStrategy(stage=3), limit_val_batches=0)
-    with pytest.raises(RuntimeError, match=r"partitioned by another strategy's ZeRO stage 3 \(a previous Trainer's"):
+    with pytest.raises(RuntimeError, match=r"partitioned by another strategy's ZeRO stage 3 \(an earlier Trainer's fit"):
         second.fit(model)
     assert second.global_step == 0
     fresh = ParityNet(checkpointing=False)
