@@ -39,8 +39,26 @@ def worker_env() -> dict[str, str]:
 
 
 def free_port() -> int:
+    """A port for a launch's store that is free now, chosen below the kernel's ephemeral range: a port the kernel
+    hands out (``bind(0)``) is also what it gives outgoing connections, and gloo's many connections took one
+    between this check and torchrun's bind (EADDRINUSE, CI 2026-11-29). Random (not Python's seeded generator),
+    so concurrent or consecutive launches do not walk the same ports; ``bind(0)`` when none is found."""
+    import random
     import socket
 
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    pick = random.SystemRandom()
+    for _ in range(64):
+        port = pick.randint(20000, max(20001, ephemeral_low - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
