@@ -25,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -214,6 +214,17 @@ case "$CALL" in
         > "$OUT/moe_$c.log" 2>&1; mark "moe $c" $?
     done
     timeout $(( $(left) - 5 )) $TR 4 benchmarks/pipeline.py --sweep --global-batch 64 --steps 8 --warmup 3 \
+      > "$OUT/pipeline.log" 2>&1; mark pipeline $?
+    ;;
+  X2)  # 2 GPUs (2026-11-29, third session: x2 lent, x4 not): #32 item 3 at EP 2 with the routing shown (dense and
+       # MoE at --lr 1e-4 on the corpus, capacity and sorted dispatch), then item 4's sweep at pp 2 (1F1B and
+       # interleaved, M = 4, 8, 16, against zero1 and zero3), which no call has reached since 2026-11-28 03:29
+    for c in "dense capacity" "moe capacity" "moe sorted"; do
+      set -- $c
+      PYTHONPATH=$PYTHONPATH timeout 110 $TR 2 benchmarks/moe.py --config $1 --ep 2 --dispatch $2 --lr 1e-4 \
+        --steps 15 --warmup 5 > "$OUT/moe_$1_$2.log" 2>&1; mark "moe $1 $2" $?
+    done
+    timeout $(( $(left) - 5 )) $TR 2 benchmarks/pipeline.py --sweep --global-batch 32 --steps 8 --warmup 3 \
       > "$OUT/pipeline.log" 2>&1; mark pipeline $?
     ;;
   S1)  # one GPU (2026-11-29, only nvidia-h200 lent): every gpu-marked test after the stage-3 write guards; #30's
