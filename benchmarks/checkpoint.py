@@ -114,6 +114,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="training steps before the measurements")
     p.add_argument("--saves", type=int, default=2, help="saves per configuration (the last that ran is reported)")
     p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/lz_ckpt_bench"), help="where checkpoints are written")
+    p.add_argument("--held-steps", type=int, default=0,
+                   help="K > 0: also one save inside the training loop, K synchronised steps timed on each side: "
+                        "what the save holds training up (checkpoint_worker.py [Note: training held by a save])")
     p.add_argument("--warm-load", action="store_true",
                    help="load from the page cache (default: the checkpoint's files are evicted before the load)")
     add_runner_args(p, config_timeout_s=300.0, min_config_s=90.0)
@@ -147,6 +150,7 @@ def worker_cmd(args: argparse.Namespace, config: str, results: Path, timeout: fl
         "--device", args.device, "--devices", str(args.gpus), "--results-file", str(results),
         "--time-limit-s", f"{timeout:.0f}",
     ]
+    cmd += ["--held-steps", str(args.held_steps)] if args.held_steps else []
     return cmd + (["--warm-load"] if args.warm_load else [])
 
 
@@ -444,6 +448,24 @@ def durable_summary(rows: list[CkptRow]) -> str:
     return "Save until durable on disk (complete + flush; information, not a target): " + ", ".join(parts) + "."
 
 
+def held_summary(records: list[dict[str, Any]], names: list[str]) -> str:
+    """``--held-steps``: per configuration, what one save inside the loop held training up, the worst rank's."""
+    parts = []
+    for name in names:
+        held = [r for r in records if r.get("kind") == "held" and r.get("config") == name]
+        if not held:
+            continue
+        worst = max(held, key=lambda r: r["held_s"])
+        where = f", staged: {worst['staged_on']}" if worst.get("staged_on") else ""
+        parts.append(f"`{name}` caller blocked {worst['blocking_s']:.3f} s, training held {worst['held_s']:.3f} s "
+                     f"= {worst['held_steps']:.1%} of one step ({worst['step_s']:.3f} s; {len(worst['after_s'])} "
+                     f"steps after against as many before{where})")
+    if not parts:
+        return ""
+    return ("One save inside the training loop, every step synchronised (held = caller blocked + the steps after "
+            "- as many steps before): " + "; ".join(parts) + ".")
+
+
 def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] = None) -> str:
     """A dated RESULTS.md section: workload, versions, command, how it was measured, the table with each
     configuration beside its figures, load times side by side, and issue #13's targets as PASS/FAIL."""
@@ -492,7 +514,7 @@ def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] =
         "",
         render_table(rows, cuda),
     ]
-    for summary in (load_summary(rows), durable_summary(rows)):
+    for summary in (load_summary(rows), durable_summary(rows), held_summary(records, names)):
         if summary:
             lines += ["", summary]
     lines += ["", ("" if cuda else "CPU smoke run (gloo): the targets below are not claims.\n\n")

@@ -374,9 +374,22 @@ class CheckpointBench(Callback):
         """:func:`state_checksum` taken just before the first save."""
         self._last_save_cost = 0.0
         """Seconds the last save took with its flush and disk accounting (for :meth:`_time_for_another`)."""
+        self.step_s: list[float] = []
+        """``--held-steps``: every training step's synchronised wall time."""
+        self._step_t0 = 0.0
+        self.in_loop_at: Optional[int] = None
+        """``--held-steps``: how many steps were timed when the in-loop save ran."""
+        self.in_loop_blocking = 0.0
+        self.in_loop_path = Path()
 
     def _record(self, kind: str, **fields: Any) -> None:
         append_record(self.args.results_file, {**self.base, "kind": kind, **fields})
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.args.held_steps:
+            _sync(trainer.strategy.root_device)
+            self._step_t0 = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -384,12 +397,52 @@ class CheckpointBench(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.last_loss = float(loss.detach().float())
+        k = self.args.held_steps
+        if not k:
+            return
+        _sync(trainer.strategy.root_device)
+        self.step_s.append(time.perf_counter() - self._step_t0)
+        if trainer.global_step == self.args.steps + k:
+            self._save_in_loop(trainer)
+
+    def _save_in_loop(self, trainer: Trainer) -> None:
+        """[Note: training held by a save] ``--held-steps K``: after ``--steps`` + K steps, one save from
+        inside the loop; every step is timed with a device synchronisation at both ends, so the K steps after
+        the save show what it costs the training that goes on beside it (an async save's device copies, its
+        fence before the next optimizer step, its writer threads on the host): held = the caller's blocked
+        time + the K steps after - K x the mean of the K steps before."""
+        path = self.args.ckpt_dir / self.spec.name / "in_loop"
+        if trainer.is_global_zero:
+            shutil.rmtree(path.parent, ignore_errors=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        trainer.strategy.barrier("ckpt_bench.in_loop")
+        _sync(trainer.strategy.root_device)
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(path)
+        self.in_loop_blocking = time.perf_counter() - t0
+        self.in_loop_at = len(self.step_s)
+        self.in_loop_path = path
+
+    def _record_held(self, trainer: Trainer) -> None:
+        k, at = self.args.held_steps, self.in_loop_at
+        if not k or at is None:
+            return
+        before, after = self.step_s[at - k : at], self.step_s[at : at + k]
+        if self.spec.is_async:
+            trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
+        mean = sum(before) / len(before)
+        held = self.in_loop_blocking + sum(after) - len(after) * mean
+        checkpointer = getattr(trainer.strategy, "checkpointer", None)
+        self._record("held", blocking_s=self.in_loop_blocking, before_s=before, after_s=after, held_s=held,
+                     step_s=mean, held_steps=held / mean, staged_on=getattr(checkpointer, "staged_on", None))
+        self._delete(trainer, self.in_loop_path)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         self.base["rank"] = trainer.global_rank
         self._record("setup", **self._setup_fields(trainer))
+        self._record_held(trainer)
         root = self.args.ckpt_dir / self.spec.name
         if trainer.is_global_zero:
             shutil.rmtree(root, ignore_errors=True)
@@ -493,6 +546,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=3, help="training steps before the measurements")
     p.add_argument("--saves", type=int, default=2, help="saves (the last one that ran is reported)")
+    p.add_argument("--held-steps", type=int, default=0,
+                   help="K > 0: one save inside the loop after --steps + K steps, K timed steps each side "
+                        "([Note: training held by a save])")
     p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/lz_ckpt_bench"))
     p.add_argument("--warm-load", action="store_true", help="leave the checkpoint in the page cache before loading")
     p.add_argument("--time-limit-s", type=float, default=None, help="the parent's timeout: skip a repeat save past it")
@@ -515,7 +571,7 @@ def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], benc
         num_nodes=1,
         strategy=strategy,
         precision=PRECISION,
-        max_steps=args.steps,
+        max_steps=args.steps + 2 * args.held_steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,

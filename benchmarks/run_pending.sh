@@ -25,7 +25,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -226,6 +226,19 @@ case "$CALL" in
     done
     timeout $(( $(left) - 5 )) $TR 2 benchmarks/pipeline.py --sweep --global-batch 32 --steps 8 --warmup 3 \
       > "$OUT/pipeline.log" 2>&1; mark pipeline $?
+    ;;
+  AS)  # 2 GPUs (2026-11-29, third session): #32 item 6's failed figure, async save blocking training (0.91 s, ~2 steps
+       # on 2026-11-29 13:43), after checkpoint/async_stage.py: the gpu-marked staging tests (the in-place copy
+       # against a held-back side stream, with and without the fence), then one in-loop save of the 8B shape at
+       # 2 GPUs (48 GB of states per rank: no room for a device snapshot, so the fenced in-place copy) and of
+       # GPT-1.3B (room: the device snapshot), 3 synchronised steps timed on each side
+    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
+    for m in gpt_1b gpt_8b; do
+      python3 benchmarks/checkpoint.py --gpus 2 --model $m --micro-batch 1 --saves 1 --held-steps 3 \
+        --configs zero3_async --budget-s $(( $(left) - 10 )) --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_$m" \
+        > "$OUT/held_$m.log" 2>&1; mark "held $m" $?
+    done
     ;;
   S1)  # one GPU (2026-11-29, only nvidia-h200 lent): every gpu-marked test after the stage-3 write guards; #30's
        # non-communication gap: ours against DeepSpeed ALST at SP 1 on 8 layers (after 249af0a's host-sync fixes)

@@ -65,6 +65,9 @@ class Engines:
         """Exact fp32 shares of frozen parameters the cast layout computes in 16 bits (frozen_fp32.py)."""
         self.orig_buffer_dtypes: dict[str, torch.dtype] = {}
         """Every buffer's dtype before the cast, non-persistent ones too: what a fit hands back (after_fit.py)."""
+        self.step_fence: Optional[Callable[[], None]] = None
+        """Called before every optimizer step: an async checkpoint save still copying the states the step
+        changes is waited for there, on the device (checkpoint/async_stage.py [Note: async staging])."""
         self.guards: list[RemovableHandle] = []
         self.buffer_sync: Optional[BufferSync] = None
         self.compile_plan: Optional[CompilePlan] = None
@@ -228,6 +231,8 @@ class Engines:
         raise :class:`NonFiniteStepError` on every rank. ``step_index``: the step's number for messages
         (default: this optimizer's steps so far, skipped ones included). ``clip``: max global norm;
         ``clip_value``: max absolute value of each gradient element (zero/engine.py [Note: clipping by value])."""
+        if self.step_fence is not None:
+            self.step_fence()
         precision = self._precision()
         scaler = precision.scaler
         policy = self.config.nonfinite

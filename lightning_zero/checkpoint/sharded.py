@@ -20,8 +20,6 @@ tensors this rank holds; engines then refresh their 16-bit parameters from the m
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import io
 import logging
 import shutil
@@ -40,6 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_zero.checkpoint import atomic, save_errors
+from lightning_zero.checkpoint.async_stage import Staged, Stager, tensor_of
 from lightning_zero.checkpoint import layout as L
 from lightning_zero.checkpoint.pieces import FlatPiece, PieceLoadPlanner, PieceSavePlanner
 from lightning_zero.checkpoint.storage import CheckedReader, CheckedWriter, CorruptCheckpointError
@@ -151,48 +150,6 @@ def _nbytes(entries: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in _tensors(entries))
 
 
-class _HostArena:
-    """A host buffer reused by every async save (pinned when the pieces come from a GPU: allocating
-    gigabytes of pinned memory per save would cost more than the copy)."""
-
-    def __init__(self) -> None:
-        self.buffer: Optional[Tensor] = None
-
-    def reserve(self, nbytes: int, pin: bool) -> None:
-        """Have at least ``nbytes`` ready (pinning gigabytes takes seconds: done ahead of the first
-        save, in the background, by :meth:`ShardedCheckpointer.reserve`)."""
-        if self.buffer is None or self.buffer.numel() < nbytes or (pin and not self.buffer.is_pinned()):
-            self.buffer = None
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-    def stage(self, entries: dict[str, Any]) -> dict[str, Any]:
-        need = sum(_aligned(t.numel() * t.element_size()) for t in _tensors(entries))
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(entries))
-        self.reserve(need, pin)
-        offset = 0
-        out: dict[str, Any] = {}
-
-        def copy_in(t: Tensor) -> Tensor:
-            nonlocal offset
-            n = t.numel() * t.element_size()
-            assert self.buffer is not None
-            dst = self.buffer[offset : offset + n].view(t.dtype).view(t.shape)
-            offset += _aligned(n)
-            dst.copy_(t.detach(), non_blocking=True)
-            return dst
-
-        for k, v in entries.items():
-            if isinstance(v, FlatPiece):
-                out[k] = dataclasses.replace(v, source=copy_in(v.source.contiguous()))
-            elif torch.is_tensor(v):
-                out[k] = copy_in(v.contiguous())
-            else:
-                out[k] = copy.deepcopy(v)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return out
-
-
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
     """Run ``fn`` in a daemon thread (an executor's threads are joined at exit: a save stuck on a
     failed peer would keep the process alive)."""
@@ -210,16 +167,23 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> Future:
     return future
 
 
-def _aligned(n: int) -> int:
-    return -(-n // 64) * 64
-
-
 def _tensors(entries: dict[str, Any]) -> list[Tensor]:
-    out = []
-    for v in entries.values():
-        t = v.source if isinstance(v, FlatPiece) else v
-        if torch.is_tensor(t):
-            out.append(t)
+    return [t for v in entries.values() if (t := tensor_of(v)) is not None]
+
+
+def step_only_storages(view: L.RankView) -> set[int]:
+    """Storage pointers of what only an optimizer step changes: the engines' masters and their optimizers'
+    state tensors (async_stage.py [Note: async staging] reads them in place when the device has no room)."""
+    out: set[int] = set()
+    for k, engine in enumerate(view.engines):
+        if engine is None:
+            continue
+        state = view.optimizers[k].state if k < len(view.optimizers) else {}
+        for fg in engine.groups:
+            out.add(fg.master.untyped_storage().data_ptr())
+            for value in state.get(fg.master, {}).values():
+                if torch.is_tensor(value):
+                    out.add(value.untyped_storage().data_ptr())
     return out
 
 
@@ -236,9 +200,11 @@ class ShardedCheckpointer:
         self._pending: Optional[Future] = None
         self._deferred: list[str] = []
         self._lock = threading.Lock()
-        self._arena = _HostArena()
+        self._stager = Stager()
         self.last_save: dict[str, float] = {}
         """Timings of the latest save (seconds): ``blocking`` (what the caller waited) and ``total``."""
+        self.staged_on = ""
+        """How the latest async save staged its CUDA pieces (async_stage.py [Note: async staging])."""
         self._last_saved: Optional[Path] = None
         """The latest checkpoint this saver completed (named by a failed save's error as kept)."""
 
@@ -259,7 +225,8 @@ class ShardedCheckpointer:
                 entries.update(opt_entries)
             weights = L.weight_info(view)
             entries, weights, stage_records = self._merge_stages(view, entries, weights, records)
-            self._refuse_nonfinite(entries, final)
+            if not self.async_save:  # async: checked in the writer thread, on the staged copies
+                self._refuse_nonfinite(save_errors.first_nonfinite(entries), final)
             meta_bytes = b""
             if self.rank == 0:
                 rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -276,26 +243,37 @@ class ShardedCheckpointer:
                 buf = io.BytesIO()
                 torch.save(meta, buf)
                 meta_bytes = buf.getvalue()
-            if self.async_save:
-                entries = self._arena.stage(entries)
-        job = lambda: self._write(entries, meta_bytes, final)  # noqa: E731
-        if not self.async_save:
+            staged = self._stager.stage(entries, step_only_storages(view)) if self.async_save else None
+        if staged is None:
             with host_state():  # NVMe: the swapped-in buffers the pieces point into stay valid
-                job()
+                self._write(entries, meta_bytes, final)
             self.last_save = {"blocking": time.perf_counter() - t0, "total": time.perf_counter() - t0}
             return
         blocking = time.perf_counter() - t0
-        self._pending = _in_daemon_thread(self._timed, job, t0)
+        self._pending = _in_daemon_thread(self._timed, self._write_staged, staged, meta_bytes, final, t0)
         self.last_save = {"blocking": blocking}
+        self.staged_on = staged.where
 
-    def _refuse_nonfinite(self, entries: dict[str, Any], final: Path) -> None:
-        """Collective: no rank writes when any rank's pieces hold NaN or inf (save_errors.py)."""
-        findings = C.all_gather_object(save_errors.first_nonfinite(entries), self.group)
+    def fence(self) -> None:
+        """Before an optimizer step: wait (on the device) for an async save still reading the states in place
+        (async_stage.py [Note: async staging]); nothing when none is."""
+        self._stager.fence()
+
+    def _write_staged(self, staged: Staged, meta_bytes: bytes, final: Path) -> None:
+        """The writer thread's job for an async save: the copies finished, the non-finite refusal, the write."""
+        self._refuse_nonfinite(staged.finish(), final)
+        self._write(staged.entries, meta_bytes, final)
+
+    def _refuse_nonfinite(self, finding: Optional[str], final: Path) -> None:
+        """Collective: no rank writes when any rank's pieces hold NaN or inf (``finding``: this rank's first
+        bad key or None; save_errors.py)."""
+        findings = C.all_gather_object(finding, self.group)
         if any(f is not None for f in findings):
             save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, self._last_saved))
 
-    def _timed(self, job: Callable[[], None], t0: float) -> None:
-        job()
+    def _timed(self, job: Callable[..., None], *args: Any) -> None:
+        *job_args, t0 = args
+        job(*job_args)
         self.last_save["total"] = time.perf_counter() - t0
 
     def _merge_stages(self, view: L.RankView, entries: dict[str, Any], weights: dict[str, Any],
@@ -386,7 +364,7 @@ class ShardedCheckpointer:
         if not self.async_save or nbytes <= 0:
             return
         self.wait()
-        self._pending = _in_daemon_thread(self._arena.reserve, nbytes, pin)
+        self._pending = _in_daemon_thread(self._stager.arena.reserve, nbytes, pin)
 
     def wait(self) -> None:
         """Block until a pending async save has finished; raise its error."""
@@ -438,6 +416,7 @@ class ShardedCheckpointer:
     def load_weights(self, view: L.RankView, path: str, strict: bool, pipelined: bool,
                      host_state: Callable[[], Any], refresh: Callable[[], None]) -> None:
         """Read the weights this rank holds from a sharded checkpoint (collective)."""
+        self.wait()  # a pending async save reads the same tensors and uses the same group
         meta = read_meta(path)["lightning_zero"]
         md = read_dcp_metadata(path)
         saved_weights: dict[str, Any] = meta["weights"]
@@ -458,6 +437,7 @@ class ShardedCheckpointer:
 
     def load_optimizers(self, view: L.RankView, path: str, host_state: Callable[[], Any]) -> None:
         """Read the optimizer states this rank holds (collective)."""
+        self.wait()  # a pending async save reads the same tensors and uses the same group
         meta = read_meta(path)["lightning_zero"]
         if not meta.get("has_optimizer_states", False):
             raise KeyError(f"Checkpoint {path} holds no optimizer states (saved with weights only).")

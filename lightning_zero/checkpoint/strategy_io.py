@@ -99,6 +99,7 @@ class StrategyCheckpoints:
         refuse_bypassed_io(getattr(self.owner, "_checkpoint_io", None), cfg.checkpoint_format)
         group = C.new_gloo_group(cfg.timeout_s) if C.is_initialized() and C.world_size() > 1 else None
         self._checkpointer = ShardedCheckpointer(group, cfg.checkpoint_threads, cfg.checkpoint_fsync, cfg.checkpoint_async)
+        self.engines.step_fence = self._checkpointer.fence  # async saves reading the states in place (async_stage.py)
 
     def reserve_async_staging(self) -> None:
         """Async saves copy this rank's partitions into host memory: reserve it while training starts.
@@ -335,6 +336,7 @@ class StrategyCheckpoints:
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.engines.rounded_start = []  # the masters are the checkpoint's now (engines.py rounded_params)
+        self.wait_for_checkpoint()  # a pending async save may still read the masters in place (async_stage.py)
         sd = checkpoint["state_dict"]
         if isinstance(sd, ShardedStateDict):
             assert sd.path is not None
@@ -375,6 +377,7 @@ class StrategyCheckpoints:
             zsd.load_master_params(engine, values)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self.wait_for_checkpoint()
         saved = checkpoint["optimizer_states"]
         if saved and isinstance(saved[0], ShardedOptimizerState):
             assert saved[0].path is not None
