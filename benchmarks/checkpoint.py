@@ -121,8 +121,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="load from the page cache (default: the checkpoint's files are evicted before the load)")
     add_runner_args(p, config_timeout_s=300.0, min_config_s=90.0)
     args = p.parse_args(argv)
-    if args.gpus < 1 or args.steps < 1 or args.saves < 1 or args.micro_batch < 1:
-        p.error("--gpus, --steps, --saves and --micro-batch must be >= 1")
+    if args.gpus < 1 or args.steps < 1 or args.saves < (0 if args.held_steps else 1) or args.micro_batch < 1:
+        p.error("--gpus, --steps, --saves and --micro-batch must be >= 1 (--saves 0 with --held-steps: that save only)")
     select_configs(p, args, list(CKPT_CONFIGS), list(CKPT_CONFIGS))
     try:
         model_preset(args.model)

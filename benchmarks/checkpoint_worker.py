@@ -196,6 +196,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _sync_training(device: torch.device) -> None:
+    """The training stream only: a device-wide synchronisation would also wait for an async save's side
+    stream, which the training loop never does (its host waits only on its own stream, e.g. for the loss)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _status_kib(field: str) -> Optional[int]:
     """A ``/proc/self/status`` field in bytes (VmRSS, VmHWM), or None."""
     try:
@@ -388,7 +395,7 @@ class CheckpointBench(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self.args.held_steps:
-            _sync(trainer.strategy.root_device)
+            _sync_training(trainer.strategy.root_device)
             self._step_t0 = time.perf_counter()
 
     @override
@@ -400,7 +407,7 @@ class CheckpointBench(Callback):
         k = self.args.held_steps
         if not k:
             return
-        _sync(trainer.strategy.root_device)
+        _sync_training(trainer.strategy.root_device)
         self.step_s.append(time.perf_counter() - self._step_t0)
         if trainer.global_step == self.args.steps + k:
             self._save_in_loop(trainer)
@@ -416,7 +423,7 @@ class CheckpointBench(Callback):
             shutil.rmtree(path.parent, ignore_errors=True)
             path.parent.mkdir(parents=True, exist_ok=True)
         trainer.strategy.barrier("ckpt_bench.in_loop")
-        _sync(trainer.strategy.root_device)
+        _sync_training(trainer.strategy.root_device)
         t0 = time.perf_counter()
         trainer.save_checkpoint(path)
         self.in_loop_blocking = time.perf_counter() - t0
@@ -433,8 +440,10 @@ class CheckpointBench(Callback):
         mean = sum(before) / len(before)
         held = self.in_loop_blocking + sum(after) - len(after) * mean
         checkpointer = getattr(trainer.strategy, "checkpointer", None)
+        total = getattr(checkpointer, "last_save", {}).get("total")
         self._record("held", blocking_s=self.in_loop_blocking, before_s=before, after_s=after, held_s=held,
-                     step_s=mean, held_steps=held / mean, staged_on=getattr(checkpointer, "staged_on", None))
+                     step_s=mean, held_steps=held / mean, staged_on=getattr(checkpointer, "staged_on", None),
+                     save_total_s=total)
         self._delete(trainer, self.in_loop_path)
 
     @override
@@ -558,8 +567,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--results-file", type=Path, required=True)
     p.set_defaults(warmup=0)  # peers_worker.build_module's LR horizon is warmup + steps
     args = p.parse_args(argv)
-    if args.steps < 1 or args.saves < 1:
-        p.error("--steps and --saves must be >= 1")
+    if args.steps < 1 or args.saves < (0 if args.held_steps else 1):
+        p.error("--steps must be >= 1, --saves >= 1 (>= 0 with --held-steps)")
     return args
 
 

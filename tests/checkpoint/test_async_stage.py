@@ -101,7 +101,7 @@ class _Net(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 8))
         g = torch.Generator().manual_seed(1)
-        self.data = [(torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)) for _ in range(8)]
+        self.data = torch.utils.data.TensorDataset(torch.randn(256, 64, generator=g), torch.randn(256, 8, generator=g))
 
     def training_step(self, batch: Any, _: int) -> torch.Tensor:
         x, y = batch
@@ -111,7 +111,7 @@ class _Net(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> Any:
-        return self.data
+        return torch.utils.data.DataLoader(self.data, batch_size=32)
 
 
 class _SaveAt(pl.Callback):
