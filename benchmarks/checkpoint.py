@@ -453,17 +453,17 @@ def held_summary(records: list[dict[str, Any]], names: list[str]) -> str:
     parts = []
     for name in names:
         held = [r for r in records if r.get("kind") == "held" and r.get("config") == name]
-        if not held:
-            continue
-        worst = max(held, key=lambda r: r["held_s"])
-        where = f", staged: {worst['staged_on']}" if worst.get("staged_on") else ""
-        parts.append(f"`{name}` caller blocked {worst['blocking_s']:.3f} s, training held {worst['held_s']:.3f} s "
-                     f"= {worst['held_steps']:.1%} of one step ({worst['step_s']:.3f} s; {len(worst['after_s'])} "
-                     f"steps after against as many before{where})")
+        for index in sorted({r.get("index", 1) for r in held}):
+            worst = max((r for r in held if r.get("index", 1) == index), key=lambda r: r["held_s"])
+            where = f", staged: {worst['staged_on']}" if worst.get("staged_on") else ""
+            parts.append(f"`{name}` save {index}: caller blocked {worst['blocking_s']:.3f} s, training held "
+                         f"{worst['held_s']:.3f} s = {worst['held_steps']:.1%} of one step ({worst['step_s']:.3f} s; "
+                         f"{len(worst['after_s'])} steps after against as many before{where})")
     if not parts:
         return ""
-    return ("One save inside the training loop, every step synchronised (held = caller blocked + the steps after "
-            "- as many steps before): " + "; ".join(parts) + ".")
+    return ("Two saves inside the training loop, every step synchronised on the training stream (held = caller "
+            "blocked + the steps after - as many steps before; worst rank; save 1 pays one-time costs): "
+            + "; ".join(parts) + ".")
 
 
 def render_section(records: list[dict[str, Any]], configs: Optional[list[str]] = None) -> str:

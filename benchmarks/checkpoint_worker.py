@@ -384,10 +384,8 @@ class CheckpointBench(Callback):
         self.step_s: list[float] = []
         """``--held-steps``: every training step's synchronised wall time."""
         self._step_t0 = 0.0
-        self.in_loop_at: Optional[int] = None
-        """``--held-steps``: how many steps were timed when the in-loop save ran."""
-        self.in_loop_blocking = 0.0
-        self.in_loop_path = Path()
+        self.in_loop: list[dict[str, Any]] = []
+        """``--held-steps``: per in-loop save, the steps timed when it ran, its blocked time, path, staging."""
 
     def _record(self, kind: str, **fields: Any) -> None:
         append_record(self.args.results_file, {**self.base, "kind": kind, **fields})
@@ -409,42 +407,42 @@ class CheckpointBench(Callback):
             return
         _sync_training(trainer.strategy.root_device)
         self.step_s.append(time.perf_counter() - self._step_t0)
-        if trainer.global_step == self.args.steps + k:
+        if trainer.global_step in (self.args.steps + k, self.args.steps + 3 * k):
             self._save_in_loop(trainer)
+        elif trainer.global_step == self.args.steps + 2 * k and self.spec.is_async:
+            trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]  # untimed: the first write
 
     def _save_in_loop(self, trainer: Trainer) -> None:
-        """[Note: training held by a save] ``--held-steps K``: after ``--steps`` + K steps, one save from
-        inside the loop; every step is timed with a device synchronisation at both ends, so the K steps after
-        the save show what it costs the training that goes on beside it (an async save's device copies, its
-        fence before the next optimizer step, its writer threads on the host): held = the caller's blocked
-        time + the K steps after - K x the mean of the K steps before."""
-        path = self.args.ckpt_dir / self.spec.name / "in_loop"
+        """[Note: training held by a save] ``--held-steps K``: after ``--steps`` + K steps and again after
+        ``--steps`` + 3K, one save from inside the loop (the first pays one-time costs: the second is the
+        figure); every step is timed against the training stream at both ends, so the K steps after a save
+        show what it costs the training that goes on beside it (an async save's device copies, its fence
+        before the next optimizer step, its writer threads on the host): held = the caller's blocked time +
+        the K steps after - K x the mean of the K steps before. The first save's write is waited for, untimed,
+        K steps before the second."""
+        path = self.args.ckpt_dir / self.spec.name / f"in_loop{len(self.in_loop) + 1}"
         if trainer.is_global_zero:
-            shutil.rmtree(path.parent, ignore_errors=True)
             path.parent.mkdir(parents=True, exist_ok=True)
         trainer.strategy.barrier("ckpt_bench.in_loop")
         _sync_training(trainer.strategy.root_device)
         t0 = time.perf_counter()
         trainer.save_checkpoint(path)
-        self.in_loop_blocking = time.perf_counter() - t0
-        self.in_loop_at = len(self.step_s)
-        self.in_loop_path = path
+        checkpointer = getattr(trainer.strategy, "checkpointer", None)
+        self.in_loop.append({"at": len(self.step_s), "blocking_s": time.perf_counter() - t0, "path": path,
+                             "staged_on": getattr(checkpointer, "staged_on", None)})
 
     def _record_held(self, trainer: Trainer) -> None:
-        k, at = self.args.held_steps, self.in_loop_at
-        if not k or at is None:
-            return
-        before, after = self.step_s[at - k : at], self.step_s[at : at + k]
-        if self.spec.is_async:
+        k = self.args.held_steps
+        if self.spec.is_async and self.in_loop:
             trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
-        mean = sum(before) / len(before)
-        held = self.in_loop_blocking + sum(after) - len(after) * mean
-        checkpointer = getattr(trainer.strategy, "checkpointer", None)
-        total = getattr(checkpointer, "last_save", {}).get("total")
-        self._record("held", blocking_s=self.in_loop_blocking, before_s=before, after_s=after, held_s=held,
-                     step_s=mean, held_steps=held / mean, staged_on=getattr(checkpointer, "staged_on", None),
-                     save_total_s=total)
-        self._delete(trainer, self.in_loop_path)
+        for index, save in enumerate(self.in_loop, 1):
+            at = save["at"]
+            before, after = self.step_s[at - k : at], self.step_s[at : at + k]
+            mean = sum(before) / len(before)
+            held = save["blocking_s"] + sum(after) - len(after) * mean
+            self._record("held", index=index, blocking_s=save["blocking_s"], before_s=before, after_s=after,
+                         held_s=held, step_s=mean, held_steps=held / mean, staged_on=save["staged_on"])
+            self._delete(trainer, save["path"])
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -580,7 +578,7 @@ def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], benc
         num_nodes=1,
         strategy=strategy,
         precision=PRECISION,
-        max_steps=args.steps + 2 * args.held_steps,
+        max_steps=args.steps + 4 * args.held_steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,
