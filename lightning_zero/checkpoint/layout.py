@@ -77,17 +77,29 @@ class RankView:
     """This rank among the ranks holding the same experts, and their number (used with ``experts``)."""
     frozen: Optional[FrozenFp32] = None
     """Exact fp32 shares of frozen parameters the cast layout computes in 16 bits (None: none kept)."""
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The name maps below, computed once per view: a view serves one save or load, during which the
+    module's names and tensors do not change; an async save's caller waits for them (async_stage.py)."""
 
     def __post_init__(self) -> None:
         if self.experts is not None:  # the strategy's dtypes are keyed by the module's own names
             self.orig_dtypes = {self.experts.stored(k): v for k, v in self.orig_dtypes.items()}
 
+    def _once(self, key: str, make: Any) -> Any:
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
     def named_tensors(self) -> dict[str, Tensor]:
-        """The module's state-dict entries under their stored names (experts by global index)."""
-        state = self.module.state_dict(keep_vars=True)
-        if self.experts is None:
-            return dict(state)
-        return {self.experts.stored(k): v for k, v in state.items()}
+        """The module's state-dict entries under their stored names (experts by global index). Shared: not
+        to be mutated."""
+        def make() -> dict[str, Tensor]:
+            state = self.module.state_dict(keep_vars=True)
+            if self.experts is None:
+                return dict(state)
+            return {self.experts.stored(k): v for k, v in state.items()}
+
+        return self._once("named", make)
 
     def all_names(self) -> list[str]:
         """The stored names of every rank's entries (this rank's, plus the other EP ranks' experts)."""
@@ -107,25 +119,34 @@ class RankView:
 
     def canonical_names(self) -> dict[str, str]:
         """Every state-dict name -> the first name of the same tensor (tied weights share it)."""
-        first: dict[int, str] = {}
-        return {name: first.setdefault(id(t), name) for name, t in self.named_tensors().items()}
+        def make() -> dict[str, str]:
+            first: dict[int, str] = {}
+            return {name: first.setdefault(id(t), name) for name, t in self.named_tensors().items()}
+
+        return self._once("canonical", make)
 
     def param_names(self) -> dict[int, str]:
-        first: dict[int, str] = {}
-        for name, t in self.named_tensors().items():
-            first.setdefault(id(t), name)
-        return first
+        def make() -> dict[int, str]:
+            first: dict[int, str] = {}
+            for name, t in self.named_tensors().items():
+                first.setdefault(id(t), name)
+            return first
+
+        return self._once("params", make)
 
     def managed(self) -> dict[int, tuple[Any, int]]:
         """id(param) -> (param group storage, slot position) for every parameter an engine holds."""
-        out: dict[int, tuple[Any, int]] = {}
-        for engine in self.engines:
-            if engine is None:
-                continue
-            for fg in engine.all_groups:
-                for si, slot in enumerate(fg.layout.slots):
-                    out.setdefault(id(fg.params[slot.index]), (fg, si))
-        return out
+        def make() -> dict[int, tuple[Any, int]]:
+            out: dict[int, tuple[Any, int]] = {}
+            for engine in self.engines:
+                if engine is None:
+                    continue
+                for fg in engine.all_groups:
+                    for si, slot in enumerate(fg.layout.slots):
+                        out.setdefault(id(fg.params[slot.index]), (fg, si))
+            return out
+
+        return self._once("managed", make)
 
 
 def tensor_block(t: Tensor) -> Block:

@@ -64,10 +64,28 @@ def test_the_arena_is_reused_by_the_next_save() -> None:
     x = torch.ones(1000)
     first = stager.stage({"x": x}, step_only=set())
     buffer = stager.arena.buffer
-    assert torch.equal(first.entries["x"], torch.ones(1000))
+    assert first.finish() is None and torch.equal(first.entries["x"], torch.ones(1000))
     second = stager.stage({"x": x * 2}, step_only=set())
     assert stager.arena.buffer is buffer  # reused: the checkpointer waits for the first save before staging again
-    assert torch.equal(second.entries["x"], torch.full((1000,), 2.0))
+    assert second.finish() is None and torch.equal(second.entries["x"], torch.full((1000,), 2.0))
+
+
+def test_pieces_of_one_flat_buffer_are_copied_as_one_range_and_come_back_as_their_own_views() -> None:
+    flat = torch.arange(100, dtype=torch.float32)
+    state = torch.arange(100, dtype=torch.float32) * -1
+    other = torch.arange(6, dtype=torch.float32).view(2, 3).t()  # non-contiguous
+    entries = {"a": _piece(flat[0:40]), "b": _piece(flat[40:90]), "m": _piece(state[10:60]), "o": other,
+               "far": _piece(torch.arange(10_000, dtype=torch.float32)[9_990:])}  # a sparse view: its own region
+    staged = Stager().stage(entries, step_only=set())
+    assert len(staged.regions) == 4  # flat, state, other, far
+    flat.zero_(), state.zero_()
+    assert staged.finish() is None
+    assert torch.equal(staged.entries["a"].source, torch.arange(40, dtype=torch.float32))
+    assert torch.equal(staged.entries["b"].source, torch.arange(40, 90, dtype=torch.float32))
+    assert torch.equal(staged.entries["m"].source, -torch.arange(10, 60, dtype=torch.float32))
+    assert torch.equal(staged.entries["o"], torch.arange(6, dtype=torch.float32).view(2, 3).t())
+    assert torch.equal(staged.entries["far"].source, torch.arange(9_990, 10_000, dtype=torch.float32))
+    assert staged.entries["a"].start == entries["a"].start and staged.entries["a"].block == entries["a"].block
 
 
 def test_an_async_save_of_a_nan_refuses_to_write_and_says_so_at_wait(tmp_path: Path) -> None:
