@@ -3,7 +3,8 @@
 # Done at 20:01-20:29 (RESULTS.md): Q, DEG (D, E and G side by side), FG (F's ZeRO++ run to 2,000 steps, G's
 # Accelerate row): #31's figures are all in. Done 2026-11-29 00:00-00:20 on one GPU: S1, S2 (and zero3 against ddp
 # on the corpus, inline). Done 2026-11-29 13:43-14:08 on 4 GPUs: T (cut at its 200 s), C, B (cut before dense and the
-# pipeline sweep). Next, in this order: T2 (x4), B2 (x4).
+# pipeline sweep). Done 2026-11-29 17:09-17:47 on 2 GPUs: X2, AS (three times; the 8B rows of its last run were lost
+# to ENOSPC). Next, in this order: AS4 (x4: the issue's own figure), T2 (x4), B2 (x4); AS again if only x2 is lent.
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
@@ -25,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -242,6 +243,14 @@ case "$CALL" in
         --configs zero3_async --budget-s $(( $(left) - 10 )) --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_$1" \
         > "$OUT/held_$1.log" 2>&1; mark "held $1" $?
     done
+    ;;
+  AS4)  # 4 GPUs: #32 item 6 as the issue states it, the 8B shape at 4 GPUs (21 GiB of states per rank: room for the
+        # device snapshot), two in-loop saves with 4 synchronised steps each side; the gpu-marked staging tests first
+    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
+    python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --steps 14 --saves 0 --held-steps 4 \
+      --configs zero3_async --budget-s $(( $(left) - 10 )) --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_8b" \
+      > "$OUT/held_8b.log" 2>&1; mark "held 8b" $?
     ;;
   S1)  # one GPU (2026-11-29, only nvidia-h200 lent): every gpu-marked test after the stage-3 write guards; #30's
        # non-communication gap: ours against DeepSpeed ALST at SP 1 on 8 layers (after 249af0a's host-sync fixes)
