@@ -39,6 +39,16 @@ capacity keeps ``capacity_factor / experts`` of them): a router at least halfway
 dropped) to a single expert; 0.42 for 8 experts at 1.25 (a fixed 0.5 would never fire with 2 experts, whose
 collapse value is 0.375). A collapsed record marks its table row's dropped-fraction cell and prints a WARNING
 line under it: its tokens/s time a degenerate routing.
+
+[Note: balanced routing] On the GPT-1.3B class on 2 H200s (2026-11-29 17:09) the router dropped 46% at the first
+step and collapsed within the warm-up even at ``--lr 1e-4``: a fresh deep model gives every token nearly the same
+``ln_2`` input, and the aux loss needs far more steps than a benchmark runs. ``--routing balanced`` times the
+layer at the load a trained router aims for: the learned gate's logits are computed as usual, then a large bias
+sends token ``i`` of each micro-batch to expert ``i mod E`` (:class:`BalancedGate`). The gate's matmul, top-k,
+capacity, dispatch, all-to-all and every expert's work are all in the step (forward and backward); only the
+choice is fixed. The bias saturates the gate's softmax, so its weight's gradient is computed but zero: the
+router does not learn in such a run. It is a benchmark setting, not a product one: the row says which routing
+it timed.
 """
 
 from __future__ import annotations
@@ -62,6 +72,21 @@ from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 from examples.gpt_module import OptimConfig  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import MoE  # noqa: E402
+from lightning_zero.moe.gating import Routing, TopKGate, topk_gating  # noqa: E402
+
+BALANCE_BIAS = 1e4
+"""Added to the chosen expert's logit under ``--routing balanced``: far above any learned logit gap."""
+
+
+class BalancedGate(TopKGate):
+    """The learned gate with token ``i`` sent to expert ``i mod E`` ([Note: balanced routing])."""
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        pick = torch.arange(logits.shape[0], device=logits.device) % self.num_experts
+        logits = logits + torch.zeros_like(logits).scatter_(1, pick.unsqueeze(1), BALANCE_BIAS)
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        return topk_gating(logits, self.top_k, factor, self.min_capacity, self.drop_tokens)
 
 GPT_1B = dict(vocab_size=50304, n_layer=24, n_head=16, d_model=2048, seq_len=1024)
 SMOKE = dict(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=64)
@@ -172,6 +197,7 @@ def table_row(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
         return ", ".join(format(r[key], fmt) for r in records)
 
     config = record["config"] + (f" ({record['dispatch']})" if record.get("dispatch") else "")
+    config += ", balanced routing" if record.get("routing") == "balanced" else ""
     collapsed = " **routing collapsed**" if record.get("routing_collapsed") else ""
     return (f"| {config} | {record['world']} | {record['ep']} | {record['experts']} "
             f"| {record['tokens_per_s']:,.0f} | {record['step_s']:.4f} "
@@ -304,6 +330,8 @@ def main() -> None:
                    help="routing_collapsed above this dropped fraction; default half of 1 - 1.25/experts")
     p.add_argument("--dispatch", choices=["sorted", "capacity"], default="sorted",
                    help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
+    p.add_argument("--routing", choices=["learned", "balanced"], default="learned",
+                   help="balanced: token i to expert i mod E, the learned gate still computed ([Note: balanced routing])")
     p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
     p.add_argument("--local-hidden", type=int, default=512)
     p.add_argument("--local-tokens", type=int, default=4096)
@@ -329,6 +357,8 @@ def main() -> None:
     for layer in module.modules():  # the layers exist by now (not deferred); capacity needs drop_tokens (default)
         if isinstance(layer, MoE):
             layer.dispatch = args.dispatch
+            if args.routing == "balanced":
+                layer.gate.__class__ = BalancedGate  # same parameters and hooks, the choice fixed
     timer = A2ATimer(cuda=not args.smoke)
     clock = StepClock(args.warmup, timer)
     trainer = L.Trainer(
@@ -351,7 +381,8 @@ def main() -> None:
     collapse = collapse_dropped(cfg.moe_experts) if moe else 0.0
     max_dropped = args.max_dropped if args.max_dropped is not None else collapse / 2
     record = {
-        "config": args.config, "dispatch": args.dispatch if moe else None, "experts": cfg.moe_experts, "ep": ep,
+        "config": args.config, "dispatch": args.dispatch if moe else None, "routing": args.routing if moe else None,
+        "experts": cfg.moe_experts, "ep": ep,
         "world": world, "micro_batch": args.micro_batch,
         "params_per_rank": sum(p.numel() for p in module.parameters()),
         "tokens_per_s": tokens / clock.elapsed, "step_s": clock.elapsed / max(1, clock.steps),

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from benchmarks.moe import (
+    BalancedGate,
     TABLE_HEADER, collapse_dropped, collapse_warning, layers_dropped_fraction, routing_collapsed, table_row,
     text_windows,
 )
@@ -133,3 +134,25 @@ def test_smoke_run_on_text_keeps_its_routing() -> None:
         assert len(per_rank) == 2 and all(0.0 <= d < record["max_dropped"] for d in per_rank), (key, per_rank)
     assert "WARNING" not in stdout
     assert "| moe (sorted) | 2 | 2 | 8 |" in stdout
+
+
+def test_balanced_routing_sends_token_i_to_expert_i_mod_e_with_the_gates_work_still_done() -> None:
+    """benchmarks/moe.py [Note: balanced routing]: the same gate (its parameters, its matmul and their backward)
+    with the choice fixed, so a benchmark times the layer at a balanced load even when the learned router has
+    collapsed. The bias saturates the softmax, so the gate's weight gets a zero gradient: computed, not learned."""
+    torch.manual_seed(0)
+    layer = MoE(16, lambda: MLP(16, 32), num_experts=4, top_k=1, capacity_factor=1.25, min_capacity=1)
+    weight = layer.gate.weight
+    with torch.no_grad():
+        weight.zero_()
+        weight[2] += 1.0  # a collapsed router: every token prefers expert 2
+    x = torch.randn(12, 16).abs()
+    assert layer.gate(x).experts[:, 0].tolist() == [2] * 12  # the learned choice, collapsed
+    layer.gate.__class__ = BalancedGate
+    assert layer.gate.weight is weight
+    routing = layer.gate(x)
+    assert routing.experts[:, 0].tolist() == [i % 4 for i in range(12)]
+    assert float(routing.dropped_fraction) == 0.0
+    layer(x).sum().backward()
+    assert weight.grad is not None  # the gate's backward ran
+    assert all(bool(e.fc.weight.grad.abs().sum() > 0) for e in layer.experts)  # every expert did work
