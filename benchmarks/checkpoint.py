@@ -116,7 +116,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/lz_ckpt_bench"), help="where checkpoints are written")
     p.add_argument("--held-steps", type=int, default=0,
                    help="K > 0: also one save inside the training loop, K synchronised steps timed on each side: "
-                        "what the save holds training up (checkpoint_worker.py [Note: training held by a save])")
+                        "what the save holds training up (checkpoint_held.py [Note: training held by a save])")
     p.add_argument("--warm-load", action="store_true",
                    help="load from the page cache (default: the checkpoint's files are evicted before the load)")
     add_runner_args(p, config_timeout_s=300.0, min_config_s=90.0)

@@ -78,6 +78,7 @@ from benchmarks.records import (  # noqa: E402
     _rank, _shutdown_process_group, append_record, device_info, run_as_row, short_reason, versions, worker_main,
 )
 from benchmarks.presets import model_preset  # noqa: E402
+from benchmarks.checkpoint_held import HeldBySave  # noqa: E402
 
 MIB = 2**20
 RANK_IN_NAME = (re.compile(r"^__(\d+)_\d+\.distcp$"), re.compile(r"_rank_(\d+)_"), re.compile(r"rank[_-]?(\d+)"))
@@ -194,13 +195,6 @@ def peer_spec(spec: CkptConfig) -> PeerConfig:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _sync_training(device: torch.device) -> None:
-    """The training stream only: a device-wide synchronisation would also wait for an async save's side
-    stream, which the training loop never does (its host waits only on its own stream, e.g. for the loss)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def _status_kib(field: str) -> Optional[int]:
@@ -381,20 +375,9 @@ class CheckpointBench(Callback):
         """:func:`state_checksum` taken just before the first save."""
         self._last_save_cost = 0.0
         """Seconds the last save took with its flush and disk accounting (for :meth:`_time_for_another`)."""
-        self.step_s: list[float] = []
-        """``--held-steps``: every training step's synchronised wall time."""
-        self._step_t0 = 0.0
-        self.in_loop: list[dict[str, Any]] = []
-        """``--held-steps``: per in-loop save, the steps timed when it ran, its blocked time, path, staging."""
 
     def _record(self, kind: str, **fields: Any) -> None:
         append_record(self.args.results_file, {**self.base, "kind": kind, **fields})
-
-    @override
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.args.held_steps:
-            _sync_training(trainer.strategy.root_device)
-            self._step_t0 = time.perf_counter()
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -402,56 +385,12 @@ class CheckpointBench(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.last_loss = float(loss.detach().float())
-        k = self.args.held_steps
-        if not k:
-            return
-        _sync_training(trainer.strategy.root_device)
-        self.step_s.append(time.perf_counter() - self._step_t0)
-        if trainer.global_step in (self.args.steps + k, self.args.steps + 3 * k):
-            self._save_in_loop(trainer)
-        elif trainer.global_step == self.args.steps + 2 * k:  # untimed: the first write ends, its files go (a
-            if self.spec.is_async:  # disk holds one 8B checkpoint of 2 ranks, not two: ENOSPC on 2026-11-29)
-                trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
-            self._delete(trainer, self.in_loop[0]["path"])
-
-    def _save_in_loop(self, trainer: Trainer) -> None:
-        """[Note: training held by a save] ``--held-steps K``: after ``--steps`` + K steps and again after
-        ``--steps`` + 3K, one save from inside the loop (the first pays one-time costs: the second is the
-        figure); every step is timed against the training stream at both ends, so the K steps after a save
-        show what it costs the training that goes on beside it (an async save's device copies, its fence
-        before the next optimizer step, its writer threads on the host): held = the caller's blocked time +
-        the K steps after - K x the mean of the K steps before. The first save's write is waited for, untimed,
-        K steps before the second."""
-        path = self.args.ckpt_dir / self.spec.name / f"in_loop{len(self.in_loop) + 1}"
-        if trainer.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        trainer.strategy.barrier("ckpt_bench.in_loop")
-        _sync_training(trainer.strategy.root_device)
-        t0 = time.perf_counter()
-        trainer.save_checkpoint(path)
-        checkpointer = getattr(trainer.strategy, "checkpointer", None)
-        self.in_loop.append({"at": len(self.step_s), "blocking_s": time.perf_counter() - t0, "path": path,
-                             "staged_on": getattr(checkpointer, "staged_on", None)})
-
-    def _record_held(self, trainer: Trainer) -> None:
-        k = self.args.held_steps
-        if self.spec.is_async and self.in_loop:
-            trainer.strategy.wait_for_checkpoint()  # type: ignore[attr-defined]
-        for index, save in enumerate(self.in_loop, 1):
-            at = save["at"]
-            before, after = self.step_s[at - k : at], self.step_s[at : at + k]
-            mean = sum(before) / len(before)
-            held = save["blocking_s"] + sum(after) - len(after) * mean
-            self._record("held", index=index, blocking_s=save["blocking_s"], before_s=before, after_s=after,
-                         held_s=held, step_s=mean, held_steps=held / mean, staged_on=save["staged_on"])
-            self._delete(trainer, save["path"])  # (the first is gone already)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         strategy = trainer.strategy
         self.base["rank"] = trainer.global_rank
         self._record("setup", **self._setup_fields(trainer))
-        self._record_held(trainer)
         root = self.args.ckpt_dir / self.spec.name
         if trainer.is_global_zero:
             shutil.rmtree(root, ignore_errors=True)
@@ -556,8 +495,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="training steps before the measurements")
     p.add_argument("--saves", type=int, default=2, help="saves (the last one that ran is reported)")
     p.add_argument("--held-steps", type=int, default=0,
-                   help="K > 0: one save inside the loop after --steps + K steps, K timed steps each side "
-                        "([Note: training held by a save])")
+                   help="K > 0: two saves inside the loop, K timed steps each side (checkpoint_held.py "
+                        "[Note: training held by a save])")
     p.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/lz_ckpt_bench"))
     p.add_argument("--warm-load", action="store_true", help="leave the checkpoint in the page cache before loading")
     p.add_argument("--time-limit-s", type=float, default=None, help="the parent's timeout: skip a repeat save past it")
@@ -587,7 +526,8 @@ def build_trainer(args: argparse.Namespace, strategy: Union[str, Strategy], benc
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[bench],
+        callbacks=([HeldBySave(args.held_steps, args.steps, args.ckpt_dir / bench.spec.name, bench.spec.is_async,
+                               bench._record, bench._delete)] if args.held_steps else []) + [bench],
     )
 
 

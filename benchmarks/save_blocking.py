@@ -3,25 +3,21 @@ checkpoint_async=True) trains 2 steps, then saves ``--saves`` times from inside 
 waited for before the next; printed: the caller's time per save and the staging part of it (async_stage.py).
 The host-side cost of a save (the entries, the name maps, the meta file), not the device's.
 
-    python benchmarks/save_blocking.py --layers 32 --d-model 128 [--device cuda]
+    PYTHONPATH=. python benchmarks/save_blocking.py --layers 32 --d-model 128 [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import lightning_zero  # noqa: E402
-from examples.gpt import GPT, GPTConfig  # noqa: E402
+import lightning_zero
+from examples.gpt import GPT, GPTConfig
 
 
 class _Module(pl.LightningModule):
