@@ -9,8 +9,8 @@ safe from the next optimizer step, which changes the masters and optimizer state
   ``save`` returns: a memcpy, which the caller waits for.
 - CUDA pieces, when the device has room for a second copy of them (:func:`device_room`): each is
   cloned on the device, on the training stream. Stream order makes the clones the state at the save;
-  they read and write each byte once (21 GiB in about 15 ms on an H200, against ~0.9 s for the same
-  bytes over PCIe into pinned memory, which is what the caller waited for before). Nothing needs
+  they read and write each byte once at device bandwidth (milliseconds for 21 GiB on an H200, where
+  the copy of the same bytes into pinned memory held the caller 0.91 s, 2026-11-29). Nothing needs
   fencing: the masters can change as soon as the clones are queued.
 - CUDA pieces without that room: pieces the optimizer step alone changes (``step_only``: the
   engines' fp32 masters and their flat optimizer states) are read in place by the side stream, and
@@ -278,8 +278,8 @@ class Stager:
 def _sources(cuda: list[_Region], clone_all: bool, staged: Staged) -> list[Tensor]:
     """What the side stream copies from, per region: a clone, in stream order (every region for a device
     snapshot; otherwise those a forward may change), or the range itself (step-only, fenced). Clones are
-    per region, not one buffer of the whole size: the caching allocator serves them from blocks it holds
-    (one 42 GB buffer made the first save of the 8B shape at 2 GPUs block 1.78 s, 2026-11-29)."""
+    per region, not one buffer of the whole size, so the caching allocator can serve them from blocks it
+    holds (with one 42 GB buffer the first save of the 8B shape at 2 GPUs blocked 1.78 s, 2026-11-29)."""
     staged.held = []
     sources: list[Tensor] = []
     for r in cuda:
