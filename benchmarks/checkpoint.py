@@ -456,6 +456,9 @@ def held_summary(records: list[dict[str, Any]], names: list[str]) -> str:
         for index in sorted({r.get("index", 1) for r in held}):
             worst = max((r for r in held if r.get("index", 1) == index), key=lambda r: r["held_s"])
             where = f", staged: {worst['staged_on']}" if worst.get("staged_on") else ""
+            if "alloc_retries_after" in worst:
+                where += (f"; allocator after it: {worst['alloc_retries_after']} failed-malloc retries, "
+                          f"{worst['device_frees_after']} cudaFree")
             parts.append(f"`{name}` save {index}: caller blocked {worst['blocking_s']:.3f} s, training held "
                          f"{worst['held_s']:.3f} s = {worst['held_steps']:.1%} of one step ({worst['step_s']:.3f} s; "
                          f"{len(worst['after_s'])} steps after against as many before{where})")

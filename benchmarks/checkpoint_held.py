@@ -40,6 +40,9 @@ class HeldBySave(Callback):
         self.saves: list[dict[str, Any]] = []
         """Per in-loop save: the steps timed when it ran, its blocked time, path, staging."""
         self._t0 = 0.0
+        self.frees: list[tuple[int, int]] = []
+        """Per step, the caching allocator's (failed-malloc retries, cudaFree calls) so far: either
+        synchronises the device, so waits for an async save's side stream too."""
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         sync_training(trainer.strategy.root_device)
@@ -49,6 +52,9 @@ class HeldBySave(Callback):
                            batch_idx: int) -> None:
         sync_training(trainer.strategy.root_device)
         self.step_s.append(time.perf_counter() - self._t0)
+        device = trainer.strategy.root_device
+        stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
+        self.frees.append((stats.get("num_alloc_retries", 0), stats.get("num_device_free", 0)))
         if trainer.global_step in (self.steps + self.k, self.steps + 3 * self.k):
             self._save(trainer)
         elif trainer.global_step == self.steps + 2 * self.k:  # untimed: the first write ends, its files go
@@ -76,7 +82,10 @@ class HeldBySave(Callback):
             before, after = self.step_s[at - k : at], self.step_s[at : at + k]
             mean = sum(before) / len(before)
             held = save["blocking_s"] + sum(after) - len(after) * mean
+            end = min(at + k, len(self.frees)) - 1
+            retries, frees = (self.frees[end][i] - self.frees[at - 1][i] for i in (0, 1))
             self.record("held", index=index, blocking_s=save["blocking_s"], before_s=before, after_s=after,
-                        held_s=held, step_s=mean, held_steps=held / mean, staged_on=save["staged_on"])
+                        held_s=held, step_s=mean, held_steps=held / mean, staged_on=save["staged_on"],
+                        alloc_retries_after=retries, device_frees_after=frees)
         if self.saves:
             self.delete(trainer, self.saves[-1]["path"])  # the first is gone already

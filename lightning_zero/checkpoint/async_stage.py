@@ -24,6 +24,16 @@ non-finite refusal needs (save_errors.py), run on a side stream; the writer thre
 side stream's event (:meth:`Staged.finish`) before it refuses or writes, and drops the clones
 after that, which returns their memory to the caching allocator.
 
+A snapshot's device-to-host copies are issued by the writer thread, in ``D2H_CHUNK_BYTES`` pieces,
+one in flight (:func:`copy_in_chunks`), not queued whole by ``save``: the GPU's copy engine serves
+device-to-host copies in order, so any small one the training stream makes meanwhile (a loss's
+``.item()``, a logged metric) waited for all of them. On 4 H200s the first step after a save of the
+8B shape took 0.35 s longer than the others, the 21 GiB copy's own time, while nothing in it waited
+for the side stream; a lone H200 showed why: ``.item()`` took 0.309 s behind a 16 GiB copy, against
+4.9 ms behind 256 MiB pieces issued one at a time, at the same bandwidth (54.4 against 55.2 GB/s;
+``benchmarks/d2h_contention.py``, RESULTS.md 2026-11-29 20:22). The in-place copy stays queued
+whole at the save: the next optimizer step waits for all of it anyway.
+
 What this does not cover: a mutation of a ``step_only`` tensor by anything other than an optimizer
 step between a save and the next step. Loads wait for the pending save first (sharded.py), and so
 do the end of fit and teardown.
@@ -45,6 +55,11 @@ from lightning_zero.checkpoint.pieces import FlatPiece
 SNAPSHOT_MARGIN_FRACTION = 0.05
 """Device memory kept free beyond the training step's own peak when taking a device snapshot (at
 least 1 GiB): the caching allocator's fragmentation needs some."""
+
+
+D2H_CHUNK_BYTES = 256 << 20
+"""Largest device-to-host copy a snapshot queues at once: what a small copy of the training stream
+may wait behind (4.9 ms at an H200's 55 GB/s; see the Note)."""
 
 
 def aligned(n: int) -> int:
@@ -163,6 +178,10 @@ class Staged:
     """A CUDA event recorded after the last copy and reduction (None: everything is already there)."""
     probe: Optional[Tensor] = None
     """Pinned host max-abs of the floating CUDA regions (filled by ``ready``)."""
+    deferred: list[tuple[Tensor, Tensor]] = dataclasses.field(default_factory=list)
+    """(device clone, arena view) pairs the writer thread copies after ``ready`` (a snapshot's)."""
+    side: Optional[Any] = None
+    """The side stream the deferred copies go on."""
     held: list[Tensor] = dataclasses.field(default_factory=list)
     """Device tensors the side stream reads (the clones, the reductions): dropped once ``ready`` passed."""
     where: str = "host"
@@ -175,6 +194,9 @@ class Staged:
         the key of the first entry holding NaN or inf, or None."""
         if self.ready is not None:
             self.ready.synchronize()
+        if self.deferred:
+            copy_in_chunks(self.deferred, self.side, D2H_CHUNK_BYTES)
+            self.deferred = []
         self.held = []
         host: dict[str, Tensor] = {}
         to_check: dict[str, Tensor] = {}
@@ -257,7 +279,10 @@ class Stager:
         with torch.cuda.stream(side):
             norms = []
             for r, src in zip(cuda, sources):
-                r.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
+                if snapshot:
+                    staged.deferred.append((src, r.host))  # type: ignore[arg-type]
+                else:
+                    r.host.copy_(src, non_blocking=True)  # type: ignore[union-attr]
                 dtype = r.dtype
                 if dtype is not None and dtype.is_floating_point:
                     r.probe_at = len(norms)
@@ -270,7 +295,7 @@ class Stager:
                 staged.held.append(probe)
             event = torch.cuda.Event()
             event.record(side)
-        staged.ready = event
+        staged.ready, staged.side = event, side
         if not snapshot:
             self._fence = (device, event)
 
@@ -289,3 +314,18 @@ def _sources(cuda: list[_Region], clone_all: bool, staged: Staged) -> list[Tenso
         else:
             sources.append(r.source)
     return sources
+
+
+def copy_in_chunks(pairs: list[tuple[Tensor, Tensor]], side: Any, chunk: int) -> None:
+    """Copy each (device, host) pair on ``side`` in ``chunk``-byte pieces, each issued once the one
+    before has landed (see the Note); returns when all have. A non-contiguous pair goes whole."""
+    with torch.cuda.stream(side):
+        for src, dst in pairs:
+            if not (src.is_contiguous() and dst.is_contiguous()):
+                dst.copy_(src, non_blocking=True)
+                side.synchronize()
+                continue
+            flat_src, flat_dst = src.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)
+            for at in range(0, flat_src.numel(), chunk):
+                flat_dst[at : at + chunk].copy_(flat_src[at : at + chunk], non_blocking=True)
+                side.synchronize()

@@ -188,6 +188,7 @@ def test_async_saves_while_training_equal_synchronous_ones(tmp_path: Path, monke
     ref = _train(tmp_path / "sync", stage, asynchronous=False)
     _slow_side_stream(monkeypatch)
     monkeypatch.setattr(async_stage, "device_room", lambda device, need: where == "device snapshot")
+    monkeypatch.setattr(async_stage, "D2H_CHUNK_BYTES", 1000)  # a snapshot's copies in many odd-sized pieces
     seen: list[str] = []
     original = Stager.stage
 
@@ -214,3 +215,19 @@ def test_without_the_fence_the_in_place_copy_races_the_next_step(tmp_path: Path,
     monkeypatch.setattr(Stager, "fence", lambda self: None)
     got = _train(tmp_path / "async", 1, asynchronous=True)
     assert _differs(got, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunked_copies_land_every_byte() -> None:
+    """copy_in_chunks against a whole copy: pieces that do not divide the chunk, several dtypes, one
+    non-contiguous pair (copied whole)."""
+    torch.manual_seed(0)
+    sources = [torch.randn(1237, device="cuda"), torch.randn(33, 17, device="cuda").to(torch.bfloat16),
+               torch.randint(0, 255, (5001,), dtype=torch.uint8, device="cuda"),
+               torch.randn(64, 48, device="cuda").t()]
+    hosts = [torch.zeros(s.shape, dtype=s.dtype, pin_memory=True) for s in sources]
+    hosts[-1] = hosts[-1].t().contiguous().t()  # the non-contiguous pair's host view has its layout
+    async_stage.copy_in_chunks(list(zip(sources, hosts)), torch.cuda.Stream(), 1000)
+    for s, h in zip(sources, hosts):
+        assert torch.equal(h, s.cpu())
