@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -252,6 +252,22 @@ case "$CALL" in
     python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --steps 14 --saves 0 --held-steps 4 \
       --configs zero3_async --budget-s $(( $(left) - 10 )) --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_8b" \
       > "$OUT/held_8b.log" 2>&1; mark "held 8b" $?
+    ;;
+  AM4)  # 4 GPUs (2026-11-29, fourth session): AS4 again after the chunked snapshot copies (AS4 at 20:16: the step
+        # after the save waited 0.35 s for the whole device-to-host copy, d2h_contention.py), then #32 item 3 at EP 4
+        # on a balanced routing against dense (B2's MoE rows without its pipeline sweep, which nothing changed)
+    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
+    python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --steps 14 --saves 0 --held-steps 4 \
+      --configs zero3_async --budget-s 280 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_8b" \
+      > "$OUT/held_8b.log" 2>&1; mark "held 8b" $?
+    for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
+      set -- $c
+      [ "$(left)" -gt 60 ] || break
+      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 4 benchmarks/moe.py --config $1 \
+        --ep 4 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
+      mark "moe $c" $?
+    done
     ;;
   MB2)  # 2 GPUs: #32 item 3 at EP 2 on a balanced routing (the learned one collapsed in X2), against dense
     for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
