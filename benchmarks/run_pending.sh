@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -266,6 +266,21 @@ case "$CALL" in
       [ "$(left)" -gt 60 ] || break
       PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 4 benchmarks/moe.py --config $1 \
         --ep 4 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
+      mark "moe $c" $?
+    done
+    ;;
+  AM2)  # 2 GPUs (x4 withdrawn at 20:30): AM4 at 2 GPUs: the staging tests, GPT-1.3B's in-loop saves (a device
+        # snapshot: the chunked copies), then MB2's MoE rows at EP 2 on a balanced routing
+    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
+    python3 benchmarks/checkpoint.py --gpus 2 --model gpt_1b --micro-batch 1 --steps 20 --saves 0 --held-steps 5 \
+      --configs zero3_async --budget-s 200 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_gpt_1b" \
+      > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?
+    for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
+      set -- $c
+      [ "$(left)" -gt 60 ] || break
+      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 2 benchmarks/moe.py --config $1 \
+        --ep 2 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
       mark "moe $c" $?
     done
     ;;
