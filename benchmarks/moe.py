@@ -59,7 +59,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 import lightning.pytorch as L  # noqa: E402
@@ -70,6 +70,7 @@ import lightning_zero  # noqa: E402
 from examples.data import WindowDataset, load_corpus, tokenize  # noqa: E402
 from examples.gpt import GPTConfig, GPTModule  # noqa: E402
 from examples.gpt_module import OptimConfig  # noqa: E402
+from benchmarks.moe_profile import KernelProfiler, profile_table  # noqa: E402
 from lightning_zero.comm import collectives as C  # noqa: E402
 from lightning_zero.moe import MoE  # noqa: E402
 from lightning_zero.moe.gating import Routing, TopKGate, topk_gating  # noqa: E402
@@ -282,8 +283,9 @@ class StepClock(L.Callback):
     """Wall time of the steps after ``warmup``, all-to-all timing on for those steps; the dropped fraction of
     every step, warm-up included ([Note: routing health])."""
 
-    def __init__(self, warmup: int, timer: A2ATimer) -> None:
-        self.warmup, self.timer, self.start, self.steps = warmup, timer, 0.0, 0
+    def __init__(self, warmup: int, timer: A2ATimer, stop_at: int) -> None:
+        self.warmup, self.timer, self.start, self.steps, self.stop_at = warmup, timer, 0.0, 0, stop_at
+        self.elapsed: Optional[float] = None
         self.dropped: list[torch.Tensor] = []
         """Per batch from the first, the mean over MoE layers of the dropped fraction of its forward: device
         scalars, read once at the end (a host read per step would stall the GPU)."""
@@ -292,6 +294,8 @@ class StepClock(L.Callback):
         dropped = layers_dropped_fraction(pl_module)
         if dropped is not None:
             self.dropped.append(dropped)
+        if trainer.global_step == self.stop_at:
+            self._stop(trainer)
 
     def dropped_fractions(self) -> list[float]:
         """The per-step dropped fractions, read to the host (empty without MoE layers)."""
@@ -307,10 +311,16 @@ class StepClock(L.Callback):
             torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
             self.start, self.timer.active = time.perf_counter(), True
 
-    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def _stop(self, trainer: L.Trainer) -> None:
+        """The end of the timed steps (``--profile``'s steps come after it, untimed)."""
         self._sync()
         self.elapsed = time.perf_counter() - self.start
         self.steps = trainer.global_step - self.warmup
+        self.timer.active = False
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.elapsed is None:
+            self._stop(trainer)
 
 
 def main() -> None:
@@ -332,6 +342,8 @@ def main() -> None:
                    help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
     p.add_argument("--routing", choices=["learned", "balanced"], default="learned",
                    help="balanced: token i to expert i mod E, the learned gate still computed ([Note: balanced routing])")
+    p.add_argument("--profile", action="store_true", help="two untimed steps after the timed ones under "
+                   "torch.profiler: device time by kernel category (moe_profile.py)")
     p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
     p.add_argument("--local-hidden", type=int, default=512)
     p.add_argument("--local-tokens", type=int, default=4096)
@@ -360,14 +372,16 @@ def main() -> None:
             if args.routing == "balanced":
                 layer.gate.__class__ = BalancedGate  # same parameters and hooks, the choice fixed
     timer = A2ATimer(cuda=not args.smoke)
-    clock = StepClock(args.warmup, timer)
+    clock = StepClock(args.warmup, timer, stop_at=args.steps)
+    profiler = KernelProfiler(start_after=args.steps) if args.profile else None
     trainer = L.Trainer(
         accelerator="cpu" if args.smoke else "gpu", devices=world, strategy=lightning_zero.ZeroStrategy(
-            stage=2, expert_parallel=ep), precision="32-true" if args.smoke else "bf16-mixed", max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock],
+            stage=2, expert_parallel=ep), precision="32-true" if args.smoke else "bf16-mixed",
+        max_steps=args.steps + (profiler.steps if profiler else 0), logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[clock] + ([profiler] if profiler else []),
     )
-    samples = args.micro_batch * world * (args.steps + 1)
+    samples = args.micro_batch * world * (args.steps + 3)
     text = args.data == "text"
     dataset = text_windows(samples, cfg.seq_len) if text else Tokens(samples, cfg.seq_len, cfg.vocab_size)
     # shuffled text: Lightning's DistributedSampler shuffles (seeded by seed_everything) and splits over the ranks
@@ -376,7 +390,7 @@ def main() -> None:
     tokens = clock.steps * args.micro_batch * world * cfg.seq_len
     a2a = timer.seconds()
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    dropped = clock.dropped_fractions()  # per step from the first; [0.0] * steps without MoE layers
+    dropped = clock.dropped_fractions()[: args.steps]  # per step from the first; [0.0] * steps without MoE layers
     dropped = dropped or [0.0] * args.steps
     collapse = collapse_dropped(cfg.moe_experts) if moe else 0.0
     max_dropped = args.max_dropped if args.max_dropped is not None else collapse / 2
@@ -394,6 +408,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
     }
     record["routing_collapsed"] = moe and routing_collapsed(record, max_dropped)
+    if profiler is not None:
+        record["profile"] = profiler.result
     records = C.all_gather_object(record, None)
     if trainer.global_rank == 0:
         run = {**record, "routing_collapsed": any(r["routing_collapsed"] for r in records)}  # any rank's is the run's
@@ -406,6 +422,8 @@ def main() -> None:
         warning = collapse_warning(records)
         if warning:
             print(warning)
+        for r in records if args.profile else []:
+            print(f"\nrank {records.index(r)}: " + profile_table(r["profile"]))
 
 
 if __name__ == "__main__":

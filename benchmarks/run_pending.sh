@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -281,6 +281,16 @@ case "$CALL" in
       [ "$(left)" -gt 60 ] || break
       PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 2 benchmarks/moe.py --config $1 \
         --ep 2 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
+      mark "moe $c" $?
+    done
+    ;;
+  MP2)  # 2 GPUs: #32 item 3's 0.69x at EP 2 with a balanced routing (AM2, 20:27): where the step goes on the device,
+        # dense beside MoE (moe.py --profile: two untimed steps after the timed ones, device time per kernel category)
+    for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
+      set -- $c
+      [ "$(left)" -gt 60 ] || break
+      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 130 ? $(left) - 10 : 120 )) $TR 2 benchmarks/moe.py --config $1 \
+        --ep 2 --dispatch $2 --routing $3 --lr 1e-4 --steps 12 --warmup 4 --profile > "$OUT/moe_$1_$2_$3.log" 2>&1
       mark "moe $c" $?
     done
     ;;
