@@ -342,6 +342,8 @@ def main() -> None:
                    help="the MoE layers' dispatch: sorted (moe/dispatch.py) or fixed-capacity (moe/capacity.py)")
     p.add_argument("--routing", choices=["learned", "balanced"], default="learned",
                    help="balanced: token i to expert i mod E, the learned gate still computed ([Note: balanced routing])")
+    p.add_argument("--eager-merge", action="store_true", help="the per-step merge of writes outside the optimizer "
+                   "in eager torch instead of its fused kernel (zero/merge_writes.py): the A/B of 2026-11-29")
     p.add_argument("--profile", action="store_true", help="two untimed steps after the timed ones under "
                    "torch.profiler: device time by kernel category (moe_profile.py)")
     p.add_argument("--local", action="store_true", help="one MoE layer, one process: [Note: local overhead]")
@@ -358,6 +360,10 @@ def main() -> None:
     if not 0 < args.warmup < args.steps:
         raise SystemExit(f"--warmup ({args.warmup}) must be at least 1 and below --steps ({args.steps}).")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.eager_merge:  # this process only: the benchmark's A/B switch, not a library setting
+        import lightning_zero.zero.merge_writes as merge_writes
+
+        merge_writes.fused_applies = lambda live, master: False
     moe = args.config == "moe"
     shape = SMOKE if args.smoke else GPT_1B
     cfg = GPTConfig(**shape, moe_experts=args.experts if moe else 0, moe_top_k=1,
@@ -396,6 +402,7 @@ def main() -> None:
     max_dropped = args.max_dropped if args.max_dropped is not None else collapse / 2
     record = {
         "config": args.config, "dispatch": args.dispatch if moe else None, "routing": args.routing if moe else None,
+        "merge": "eager" if args.eager_merge else "fused where it applies",
         "experts": cfg.moe_experts, "ep": ep,
         "world": world, "micro_batch": args.micro_batch,
         "params_per_rank": sum(p.numel() for p in module.parameters()),

@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -292,6 +292,21 @@ case "$CALL" in
       PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 130 ? $(left) - 10 : 120 )) $TR 2 benchmarks/moe.py --config $1 \
         --ep 2 --dispatch $2 --routing $3 --lr 1e-4 --steps 12 --warmup 4 --profile > "$OUT/moe_$1_$2_$3.log" 2>&1
       mark "moe $c" $?
+    done
+    ;;
+  MW2)  # 2 GPUs: zero/merge_writes.py's fused kernel (the per-step merge of writes outside the optimizer was
+        # 15-20 ms of MoE's 228 ms step at 20:45): its gpu test, the kernel against eager on an MoE rank's shard,
+        # then dense and MoE (EP 2, balanced) with the eager merge and with the kernel, side by side
+    timeout 120 python3 -m pytest -q -m gpu tests/zero/test_merge_writes.py -p no:cacheprovider \
+      > "$OUT/merge_tests.log" 2>&1; mark merge_tests $?
+    timeout 90 python3 benchmarks/merge_writes.py --elements 2.06e9 --buckets 147 > "$OUT/merge_micro.log" 2>&1
+    mark merge_micro $?
+    for c in "dense --eager-merge" "dense " "moe --eager-merge" "moe "; do
+      set -- $c
+      [ "$(left)" -gt 60 ] || break
+      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 100 ? $(left) - 10 : 90 )) $TR 2 benchmarks/moe.py --config $1 \
+        --ep 2 --dispatch capacity --routing balanced --lr 1e-4 --steps 15 --warmup 5 ${2:-} \
+        > "$OUT/moe_$1${2:-}.log" 2>&1; mark "moe $1 ${2:-}" $?
     done
     ;;
   MB2)  # 2 GPUs: #32 item 3 at EP 2 on a balanced routing (the learned one collapsed in X2), against dense

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_zero.offload.device_share import DeviceShare
 from lightning_zero.offload.swap_state import is_placeholder
-from lightning_zero.zero.flat_group import merge_param_writes
+from lightning_zero.zero.merge_writes import merge_param_writes
 
 PIECE = 1 << 20
 """Elements per fingerprinted piece (each summed modulo 2**32, then weighted by an odd factor)."""

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn import Parameter
 
 from lightning_zero.parallel.dtensor import grad_like, local_tensor, point_local
+from lightning_zero.zero.merge_writes import merge_param_writes
 from lightning_zero.zero.partition import FlatLayout
 
 BufferFactory = Callable[[int, torch.dtype], Tensor]
@@ -151,8 +152,9 @@ class FlatParamGroup(ShardViews):
         step every rank copies the changes in its own chunks into its master (every rank made the same
         change, as under ddp): fp32 compute copies the chunk (equal elements stay equal); 16-bit
         compute takes only elements that differ from the rounded master, so untouched elements keep
-        their fp32 bits. One pass over this rank's shard, no host sync. ``.data`` edits leave no
-        version-counter trace, hence the comparison rather than a check of ``_version``. 16-bit device
+        their fp32 bits. One pass over this rank's shard (merge_writes.py: one fused kernel on CUDA), no
+        host sync. ``.data`` edits leave no version-counter trace, hence the comparison rather than a
+        check of ``_version``. 16-bit device
         states (states16.py): the bf16 master is what the parameters were written from, so the chunk is
         copied, and ``comp`` (a ``bf16_kahan`` compensation, laid out as the master) is zeroed where an
         element changed: the value the user set is exact, as a checkpoint load restarts the words."""
@@ -190,14 +192,3 @@ class FlatParamGroup(ShardViews):
         if view is None:
             view = cached[1][slot_index] = self.param_view(slot_index, self.flat_grad)
         return view
-
-
-def merge_param_writes(live: Tensor, master: Tensor) -> None:
-    """[Note: writes outside the optimizer]'s rule, ``live`` (the parameters' chunk) into ``master`` (any
-    device): the same dtype copies; 16-bit compute takes only the elements that differ from the rounded
-    master, so untouched elements keep their full-precision bits."""
-    live = live.to(master.device)
-    if live.dtype == master.dtype:
-        master.copy_(live)
-    else:
-        torch.where(live != master.to(live.dtype), live.to(master.dtype), master, out=master)
