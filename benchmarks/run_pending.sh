@@ -295,7 +295,7 @@ case "$CALL" in
     done
     ;;
   MW2)  # 2 GPUs: zero/merge_writes.py's fused kernel (the per-step merge of writes outside the optimizer was
-        # 15-20 ms of MoE's 228 ms step at 20:45): its gpu test, the kernel against eager on an MoE rank's shard,
+        # 15-20 ms of MoE's 228 ms step at 20:33): its gpu test, the kernel against eager on an MoE rank's shard,
         # then dense and MoE (EP 2, balanced) with the eager merge and with the kernel, side by side
     timeout 120 python3 -m pytest -q -m gpu tests/zero/test_merge_writes.py -p no:cacheprovider \
       > "$OUT/merge_tests.log" 2>&1; mark merge_tests $?

@@ -5,7 +5,7 @@ flat_group.py [Note: writes outside the optimizer] compares, before every optimi
 chunk of the 16-bit parameters with its rounded fp32 master and takes the elements that differ. In eager
 torch that is four kernels and two temporaries per bucket (the master rounded, the comparison, the chunk
 widened, the ``where``): about 30 bytes of memory traffic per element, to find, nearly always, that
-nothing changed. On 2 H200s at EP 2 (RESULTS.md 2026-11-29 20:45) an MoE rank holds 2.06G master
+nothing changed. On 2 H200s at EP 2 (RESULTS.md 2026-11-29 20:33) an MoE rank holds 2.06G master
 elements, and those kernels were some 15-20 ms of its 228 ms step (the ``where`` alone 6.4 ms in 147
 launches), a cost every stage 0-2 run with 16-bit compute pays in proportion to its shard. The Triton
 kernel does the same in one pass: it reads the chunk (2 bytes) and the master (4) and writes only the
