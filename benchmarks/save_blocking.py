@@ -1,7 +1,9 @@
 """What an async sharded save costs its caller, one process: the example GPT under ZeroStrategy(stage=3,
 checkpoint_async=True) trains 2 steps, then saves ``--saves`` times from inside ``on_train_end``, each save
-waited for before the next; printed: the caller's time per save and the staging part of it (async_stage.py).
-The host-side cost of a save (the entries, the name maps, the meta file), not the device's.
+waited for before the next; printed: the caller's time per save and the staging part of it (async_stage.py),
+and the writer thread's CPU time per save (``time.thread_time``: Python and C work that, in Python, mostly
+holds the GIL the training loop needs while an async save is written). The host-side cost of a save (the
+entries, the name maps, the meta file, DCP's planning), not the device's.
 
     PYTHONPATH=. python benchmarks/save_blocking.py --layers 32 --d-model 128 [--device cuda]
 """
@@ -53,6 +55,17 @@ class _Saves(pl.Callback):
             return out
 
         stager.stage = timed
+        ckpt = trainer.strategy.checkpointer  # type: ignore[attr-defined]
+        write, writer_cpu = ckpt._write_staged, []
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return write(*args, **kwargs)
+            finally:
+                writer_cpu.append(time.thread_time() - t)
+
+        ckpt._write_staged = counted
         blocked = []
         with tempfile.TemporaryDirectory() as d:
             for i in range(self.saves):
@@ -63,6 +76,8 @@ class _Saves(pl.Callback):
         print("caller blocked ms:", [round(x * 1e3, 1) for x in blocked])
         print("of which staging ms:", [round(x * 1e3, 1) for x in staging])
         print(f"median after the first: {sorted(blocked[1:])[len(blocked[1:]) // 2] * 1e3:.1f} ms")
+        print("writer thread CPU ms:", [round(x * 1e3, 1) for x in writer_cpu],
+              f"median after the first: {sorted(writer_cpu[1:])[len(writer_cpu[1:]) // 2] * 1e3:.1f} ms")
 
 
 def main() -> None:

@@ -311,6 +311,10 @@ def _resolve(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
     return None
 
 
+_WRAPPED = "__lightning_zero_entries__"
+"""The one top-level key of :meth:`PieceSavePlanner.wrap` (never a checkpoint name)."""
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save planner over a flat dict of FlatPieces, tensors and picklable objects
     (no nested-dict flattening: the keys are already flat). Replicated entries (the same key and
@@ -318,6 +322,20 @@ class PieceSavePlanner(DefaultSavePlanner):
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    @staticmethod
+    def wrap(entries: dict[str, Any]) -> dict[str, Any]:
+        """What to hand ``dcp.save``: ``entries`` under one key, unwrapped again by :meth:`set_up_planner`,
+        so the checkpoint's names are unchanged. Why: ``dcp.save`` first passes every top-level value
+        through a ``Stateful`` check wrapped in DCP's method logger (two log records and a message dict
+        per key): 111 ms of Python for 1,168 entries on this CPU machine (2026-11-29), in an async save's
+        writer thread, holding the GIL the training loop needs."""
+        return {_WRAPPED: entries}
+
+    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        if len(state_dict) == 1 and _WRAPPED in state_dict:
+            state_dict = state_dict[_WRAPPED]
+        super().set_up_planner(state_dict, *args, **kwargs)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         found = _resolve(self.state_dict, index)

@@ -319,7 +319,8 @@ class ShardedCheckpointer:
         partial = Path(partial_name)
         writer = CheckedWriter(str(partial), thread_count=self.threads, sync_files=self.fsync)
         try:
-            dcp.save(entries, storage_writer=writer, planner=PieceSavePlanner(), process_group=self.group)
+            dcp.save(PieceSavePlanner.wrap(entries), storage_writer=writer, planner=PieceSavePlanner(),
+                     process_group=self.group)
         except CheckpointException as e:  # raised on every rank, once every rank's writing has ended
             if self.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)
