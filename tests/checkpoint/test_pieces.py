@@ -137,3 +137,19 @@ def test_items_between_the_elements_are_dropped() -> None:
     assert piece.span == (0, 21)
     assert _read_through_planner(piece, glob.reshape(-1), [0, 3, 6, 24]) == 2  # [3, 6) is row 0's other half
     assert torch.equal(piece.source, glob[:, :3].reshape(-1))
+
+
+def test_wrapped_entries_are_saved_under_their_own_names(tmp_path) -> None:
+    """PieceSavePlanner.wrap hands DCP one top-level key (its per-key Stateful check is costly); the planner
+    unwraps it, so the checkpoint holds the entries' own names and loads back into them."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_zero.checkpoint.pieces import PieceSavePlanner
+
+    entries = {"layer.weight": torch.arange(6.0).view(2, 3), "step": 7}
+    dcp.save(PieceSavePlanner.wrap(entries), checkpoint_id=str(tmp_path), planner=PieceSavePlanner(), no_dist=True)
+    names = set(dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata)
+    assert names == {"layer.weight", "step"}
+    back = {"layer.weight": torch.zeros(2, 3), "step": 0}
+    dcp.load(back, checkpoint_id=str(tmp_path), planner=PieceLoadPlanner(), no_dist=True)
+    assert torch.equal(back["layer.weight"], entries["layer.weight"]) and back["step"] == 7
