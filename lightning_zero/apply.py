@@ -256,7 +256,8 @@ def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device
         engines.guards += guard_state_dicts(module)
     engines.compile_plan = compile_for_strategy(module, engines.inner_units(), config)  # the one call site of torch.compile
     if config.activation_offload:  # the one call site: activations/policy.py [Note: the strategy option]
-        apply_activation_offload(module, config.activation_offload_policy, engines.unit_modules())
+        apply_activation_offload(module, config.activation_offload_policy, engines.unit_modules(),
+                                 device_fraction=config.activation_offload_device_fraction)
     for engine in engines:
         for fg in engine.groups:
             for p in fg.params:

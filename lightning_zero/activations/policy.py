@@ -13,6 +13,14 @@ recomputation (the unit's backward pre-hook fires on its outputs' gradients, bef
 of the region is unpacked). All wrapped modules share one offloader, so each recomputation prefetches
 the next one's checkpoint. A model that checkpoints these modules itself (``GPTConfig
 .activation_checkpointing``) would recompute twice: turn one of the two off.
+
+[Note: the device share]
+``activation_offload_device_fraction`` f keeps the checkpoints of the last ``round(f * n)`` of the n
+modules (forward order) in device memory: they are checkpointed the same way (recomputed in backward,
+bit for bit), only not copied out. The last ones, because backward reaches them first: their memory is
+free before backward's own peak, and the host copies backward waits for start one module later (the
+first offloaded module's copy back is not prefetched: nothing recomputed before it asks for it). The
+split is taken over all the chosen modules, so setup running again keeps it.
 """
 
 from __future__ import annotations
@@ -38,16 +46,20 @@ def apply_activation_offload(
     policy: Optional[Sequence[str]] = None,
     units: Sequence[nn.Module] = (),
     offloader: Optional[HostOffloader] = None,
+    device_fraction: float = 0.0,
 ) -> list[nn.Module]:
-    """Checkpoint (with host offload) the modules :func:`offload_targets` chooses; idempotent (a module
+    """Checkpoint (with host offload) the modules :func:`offload_targets` chooses, the last
+    ``device_fraction`` of them without the offload ([Note: the device share]); idempotent (a module
     already wrapped is left alone, so setup running again for validate/test changes nothing).
     Returns the modules wrapped now."""
-    targets = [m for m in offload_targets(model, policy, units) if not is_checkpointed(m)]
+    chosen = offload_targets(model, policy, units)
+    on_device = set(map(id, chosen[len(chosen) - round(device_fraction * len(chosen)):])) if chosen else set()
+    targets = [m for m in chosen if not is_checkpointed(m)]
     if not targets:
         return []
     shared = offloader or HostOffloader()
     for module in targets:
-        checkpoint(module, offload="cpu", offloader=shared)
+        checkpoint(module, offload="none" if id(module) in on_device else "cpu", offloader=shared)
     return targets
 
 

@@ -204,3 +204,59 @@ def test_large_checkpoints_take_exact_pinned_blocks_reused_every_step() -> None:
     assert blocks.capacity_bytes == 3 * 3000 * 1536 * 4  # reused, not grown
     for r, a, b in zip(ref, first, second):
         assert torch.equal(r, a) and torch.equal(r, b)
+
+
+def test_device_fraction_keeps_the_last_modules_checkpoints_on_the_device() -> None:
+    """policy.py [Note: the device share]: the last round(f * n) blocks are checkpointed without the copy out,
+    the others offloaded; training is bitwise plain checkpointing's either way."""
+    ref_losses, ref_weights = _train(_model(checkpointing=True))
+    model = _model(checkpointing=False)  # 3 blocks: f = 0.34 keeps round(1.02) = 1 on the device
+    wrapped = apply_activation_offload(model, device_fraction=0.34)
+    assert wrapped == list(model.blocks) and all(is_checkpointed(b) for b in model.blocks)
+    offloaders = [offloader_of(b) for b in model.blocks]
+    assert offloaders[2] is None and offloaders[0] is not None and offloaders[0] is offloaders[1]
+    assert apply_activation_offload(model, device_fraction=0.34) == []  # setup again: the split stays
+    losses, weights = _train(model)
+    assert offloaders[0].stats.packed == 4 * 2  # four steps, the two offloaded blocks' inputs only
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(weights[k], ref_weights[k]) for k in ref_weights)
+    every = _model(checkpointing=False)
+    apply_activation_offload(every, device_fraction=1.0)
+    assert all(is_checkpointed(b) and offloader_of(b) is None for b in every.blocks)
+
+
+def test_the_strategy_option_splits_the_units_and_refuses_it_alone() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+
+    class _Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _model(checkpointing=False)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            x, y = _ids(0)
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
+
+    module = _Module()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         strategy=ZeroStrategy(stage=2, activation_offload=True,
+                                               activation_offload_device_fraction=0.67))
+    trainer.fit(module)
+    blocks = list(module.model.blocks)
+    assert all(is_checkpointed(b) for b in blocks)
+    assert [offloader_of(b) is None for b in blocks] == [False, True, True]  # round(0.67 * 3) = 2 on the device
+    assert offloader_of(blocks[0]).stats.packed == 2
+    with pytest.raises(ValueError, match="activation_offload=True"):
+        ZeroStrategy(activation_offload_device_fraction=0.5)
+    with pytest.raises(ValueError, match="activation_offload_device_fraction"):
+        ZeroStrategy(activation_offload=True, activation_offload_device_fraction=1.5)

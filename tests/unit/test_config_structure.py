@@ -43,7 +43,7 @@ def test_the_concerns_partition_zeroconfig() -> None:
 @pytest.mark.parametrize("bad", [
     {"stage": 4}, {"prefetch_units": -1}, {"activation_offload_policy": "Block"}, {"schedule": "zigzag"},
     {"offload_optimizer": "disk"}, {"compile_options": {"mode": "x"}}, {"start_method": "thread"},
-    {"checkpoint_format": "zip"}, {"nonfinite": "warn"},
+    {"checkpoint_format": "zip"}, {"nonfinite": "warn"}, {"activation_offload_device_fraction": 2.0},
 ], ids=lambda bad: next(iter(bad)))
 def test_each_concern_validates_itself(bad: dict) -> None:
     """A concern built on its own refuses its bad values, as ZeroConfig (which builds every concern) does."""
