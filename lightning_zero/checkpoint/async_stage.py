@@ -151,20 +151,24 @@ def _regions(tensors: dict[str, Tensor]) -> list[_Region]:
         else:
             out.append(_Region(t.device, t, 0, [(k, t)]))
     for (device, _), pieces in by_storage.items():
-        spans = [(t.storage_offset() * t.element_size(), t.storage_offset() * t.element_size() + nbytes(t))
-                 for _, t in pieces]
+        spans = [_span(t) for _, t in pieces]
         lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
         if hi - lo > 1.25 * sum(b - a for a, b in spans) + 4096:
-            groups = [[p] for p in pieces]
+            groups = [([p], [span]) for p, span in zip(pieces, spans)]
         else:
-            groups = [pieces]
-        for group in groups:
-            t0 = group[0][1]
-            g_lo = min(t.storage_offset() * t.element_size() for _, t in group)
-            g_hi = max(t.storage_offset() * t.element_size() + nbytes(t) for _, t in group)
-            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(t0.untyped_storage(), g_lo, (g_hi - g_lo,))
+            groups = [(pieces, spans)]
+        for group, group_spans in groups:
+            g_lo, g_hi = min(a for a, _ in group_spans), max(b for _, b in group_spans)
+            storage = group[0][1].untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, g_lo, (g_hi - g_lo,))
             out.append(_Region(device, raw, g_lo, group))
     return out
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its storage a contiguous tensor views."""
+    lo = t.storage_offset() * t.element_size()
+    return lo, lo + nbytes(t)
 
 
 @dataclasses.dataclass

@@ -8,9 +8,11 @@ directory over a gloo group of its own, rank 0 adds ``meta.pt`` (Lightning's own
 loops, callbacks, hyper-parameters; the names, shapes and dtypes of the weights; the optimizers'
 param groups) and renames the directory into place. Nothing is gathered: no rank ever holds more
 than its own partitions plus the piece being written. With ``checkpoint_async`` the pieces are first
-copied into a reused host buffer and the writing runs in a background thread; the next save, the end
-of fit and an exception wait for it, and checkpoint deletions requested meanwhile (``save_top_k``)
-run after it, so the newest complete checkpoint always exists on disk.
+made safe from the next optimizer step (async_stage.py [Note: async staging]: host pieces copied into a
+reused pinned arena, device pieces snapshotted on the device or read in place behind a fence before
+the next step) and the copying to host and the writing run in a background thread; the next save, a
+load, the end of fit and an exception wait for it, and checkpoint deletions requested meanwhile
+(``save_top_k``) run after it, so the newest complete checkpoint always exists on disk.
 
 Load (every rank): ``meta.pt`` is read first (it is what Lightning sees as the checkpoint, with
 markers in place of ``state_dict``/``optimizer_states``); the weights and then the optimizer states
@@ -250,7 +252,7 @@ class ShardedCheckpointer:
             self.last_save = {"blocking": time.perf_counter() - t0, "total": time.perf_counter() - t0}
             return
         blocking = time.perf_counter() - t0
-        self._pending = _in_daemon_thread(self._timed, self._write_staged, staged, meta_bytes, final, t0)
+        self._pending = _in_daemon_thread(self._timed, t0, self._write_staged, staged, meta_bytes, final)
         self.last_save = {"blocking": blocking}
         self.staged_on = staged.where
 
@@ -271,9 +273,9 @@ class ShardedCheckpointer:
         if any(f is not None for f in findings):
             save_errors.refuse_nonfinite(findings, final, save_errors.previous_checkpoint(final, self._last_saved))
 
-    def _timed(self, job: Callable[..., None], *args: Any) -> None:
-        *job_args, t0 = args
-        job(*job_args)
+    def _timed(self, t0: float, job: Callable[..., None], *args: Any) -> None:
+        """``job(*args)``, then the save's total time since ``t0`` (when ``save`` was called)."""
+        job(*args)
         self.last_save["total"] = time.perf_counter() - t0
 
     def _merge_stages(self, view: L.RankView, entries: dict[str, Any], weights: dict[str, Any],
