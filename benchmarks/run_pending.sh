@@ -26,7 +26,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|AQ2|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -308,6 +308,15 @@ case "$CALL" in
         --ep 2 --dispatch capacity --routing balanced --lr 1e-4 --steps 15 --warmup 5 ${2:-} \
         > "$OUT/moe_$1${2:-}.log" 2>&1; mark "moe $1 ${2:-}" $?
     done
+    ;;
+  AQ2)  # 2 GPUs: GPT-1.3B's in-loop saves after DCP's per-key wrapping was skipped (the writer thread's Python,
+        # RESULTS.md 20:50), then #33: qgZ int4's per-step distance from zero3 (T2, 20:22: 24x zero3's spread)
+        # with 256-element blocks and with int8, beside the default 2,048-element int4, at 2 ranks
+    python3 benchmarks/checkpoint.py --gpus 2 --model gpt_1b --micro-batch 1 --steps 20 --saves 0 --held-steps 5 \
+      --configs zero3_async --budget-s 100 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_gpt_1b" \
+      > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?
+    timeout $(( $(left) - 5 )) $TR 2 benchmarks/zeropp_track.py --steps 4 --configs zero3,qg,qg_b256,qg8 \
+      > "$OUT/track.log" 2>&1; mark track $?
     ;;
   MB2)  # 2 GPUs: #32 item 3 at EP 2 on a balanced routing (the learned one collapsed in X2), against dense
     for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do

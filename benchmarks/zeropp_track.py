@@ -27,6 +27,8 @@ CONFIGS = {
     "zero3": {}, "zero3_again": {}, "hpz": {"hpz_partition_size": 2},
     "qw": {"quantized_weights": "int8"}, "qg": {"quantized_gradients": "int4"},
     "qg_hpz": {"quantized_gradients": "int4", "hpz_partition_size": 2},
+    "qg_b256": {"quantized_gradients": "int4", "quant_block_size": 256},  # does a smaller block narrow qgZ's distance?
+    "qg8": {"quantized_gradients": "int8"},
     "all": {"quantized_weights": "int8", "quantized_gradients": "int4", "hpz_partition_size": 2},
 }
 
