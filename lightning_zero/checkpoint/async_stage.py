@@ -322,8 +322,9 @@ def _sources(cuda: list[_Region], clone_all: bool, staged: Staged) -> list[Tenso
 
 def copy_in_chunks(pairs: list[tuple[Tensor, Tensor]], side: Any, chunk: int) -> None:
     """Copy each (device, host) pair on ``side`` in ``chunk``-byte pieces, each issued once the one
-    before has landed (see the Note); returns when all have. A non-contiguous pair goes whole."""
-    with torch.cuda.stream(side):
+    before has landed (see the Note); returns when all have. A non-contiguous pair goes whole. The
+    side stream's device is made current first: in the writer thread the current device is 0."""
+    with torch.cuda.device(side.device), torch.cuda.stream(side):
         for src, dst in pairs:
             if not (src.is_contiguous() and dst.is_contiguous()):
                 dst.copy_(src, non_blocking=True)
