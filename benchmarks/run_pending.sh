@@ -312,6 +312,8 @@ case "$CALL" in
   AQ2)  # 2 GPUs: GPT-1.3B's in-loop saves after DCP's per-key wrapping was skipped (the writer thread's Python,
         # RESULTS.md 20:50), then #33: qgZ int4's per-step distance from zero3 (T2, 20:22: 24x zero3's spread)
         # with 256-element blocks and with int8, beside the default 2,048-element int4, at 2 ranks
+    timeout 100 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
     python3 benchmarks/checkpoint.py --gpus 2 --model gpt_1b --micro-batch 1 --steps 20 --saves 0 --held-steps 5 \
       --configs zero3_async --budget-s 100 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_gpt_1b" \
       > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?

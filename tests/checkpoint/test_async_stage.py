@@ -231,3 +231,27 @@ def test_chunked_copies_land_every_byte() -> None:
     async_stage.copy_in_chunks(list(zip(sources, hosts)), torch.cuda.Stream(), 1000)
     for s, h in zip(sources, hosts):
         assert torch.equal(h, s.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_chunked_copies_from_a_fresh_thread_of_another_device() -> None:
+    """The writer thread issues a snapshot's copies; a fresh thread's current device is 0, the pieces may be
+    on another (rank 1 of a node)."""
+    import threading
+
+    src = torch.randn(100_003, device="cuda:1")
+    dst = torch.zeros(src.shape, pin_memory=True)
+    side = torch.cuda.Stream(torch.device("cuda:1"))
+    errors: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            async_stage.copy_in_chunks([(src, dst)], side, 4096)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    thread.join()
+    assert not errors and torch.equal(dst, src.cpu())
