@@ -51,10 +51,10 @@ if triton is not None:
 
 def fused_applies(live: Tensor, master: Tensor) -> bool:
     """Whether :func:`merge_param_writes` takes the kernel: a bf16 chunk of an fp32 master, both contiguous
-    on one CUDA device, Triton installed."""
+    on one CUDA device with native bf16 (compute capability 8.0 or newer), Triton installed."""
     return (triton is not None and live.is_cuda and master.device == live.device and live.dtype == torch.bfloat16
             and master.dtype == torch.float32 and live.is_contiguous() and master.is_contiguous()
-            and live.numel() == master.numel())
+            and live.numel() == master.numel() and torch.cuda.get_device_capability(live.device) >= (8, 0))
 
 
 def merge_param_writes(live: Tensor, master: Tensor) -> None:
