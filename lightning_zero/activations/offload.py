@@ -31,6 +31,7 @@ check bitwise parity with plain checkpointing.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -192,11 +193,40 @@ class _Checkpointed:
     offloader: Optional[HostOffloader]
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""Keyword names HF decoder layers take their key/value cache by (``cache`` from transformers 5.x, the others
+before); only a value with HF's cache API (``get_seq_length``) is taken for one."""
+
+
+def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """[Note: no key/value cache in a recomputed region] ``kwargs`` with an HF key/value cache dropped.
+
+    An HF decoder layer appends this step's keys and values to the cache it is given (``use_cache=True``,
+    HF's default even in training). Recomputed in backward, the layer appends them a second time and
+    attends over both copies: under sequence parallelism that trained silently differently from the run
+    without offload (Ulysses; found 2026-11-29 on an HF Llama at SP 2) or failed the recomputation's shape
+    check (ring attention), and with a mask built for the original length it cannot run at all. Training
+    never reads the cache, and HF's own gradient checkpointing turns ``use_cache`` off for the same reason,
+    so a checkpointed region runs without it while gradients are recorded (with one warning); evaluation
+    and generation (no gradients) keep it."""
+    cached = [k for k in CACHE_KWARGS if hasattr(kwargs.get(k), "get_seq_length")]
+    if not cached:
+        return kwargs
+    warnings.warn(f"activation checkpointing runs each checkpointed layer twice; its key/value cache "
+                  f"({cached[0]}) would take the keys twice: the checkpointed layers run without it while "
+                  "training, as HF's gradient checkpointing does with use_cache=False", stacklevel=3)
+    out = {k: (None if k in cached else v) for k, v in kwargs.items()}
+    if "use_cache" in out:
+        out["use_cache"] = False
+    return out
+
+
 def _wrap(fn: Callable[..., Any], offload: str, offloader: Optional[HostOffloader], preserve_rng_state: bool) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return fn(*args, **kwargs)
+        kwargs = without_kv_cache(kwargs)
         if offloader is None:
             return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
         with offloader.hooks():

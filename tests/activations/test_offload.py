@@ -260,3 +260,29 @@ def test_the_strategy_option_splits_the_units_and_refuses_it_alone() -> None:
         ZeroStrategy(activation_offload_device_fraction=0.5)
     with pytest.raises(ValueError, match="activation_offload_device_fraction"):
         ZeroStrategy(activation_offload=True, activation_offload_device_fraction=1.5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_hf_layers_checkpointed_with_the_kv_cache_on_train_like_without_checkpointing(attn: str) -> None:
+    """offload.py [Note: no key/value cache in a recomputed region]: an HF Llama called as users call it
+    (``use_cache`` left at HF's default, True), its decoder layers checkpointed: the recomputation must not
+    append the layer's keys to the cache a second time. Gradients equal the run without checkpointing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def grads(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             attn_implementation=attn))
+        assert model.config.use_cache
+        if wrap:
+            for layer in model.model.layers:
+                checkpoint(layer, offload="cpu")
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    with pytest.warns(UserWarning, match="key/value cache"):
+        got = grads(wrap=True)
+    ref = grads(wrap=False)
+    assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-7) for g, r in zip(got, ref))

@@ -187,6 +187,8 @@ def _strategy(stage: int, sp: int, opts: dict[str, str]) -> "lightning_zero.Zero
     extra: dict = {"param_persistence_threshold": 0} if stage == 3 else {}
     if opts.get("offload") == "1":
         extra.update(offload_optimizer="cpu", offload_params="cpu")
+    if "act" in opts:  # activation offload, ``act`` the share of the checkpoints kept on the device
+        extra.update(activation_offload=True, activation_offload_device_fraction=float(opts["act"]))
     return lightning_zero.ZeroStrategy(
         stage=stage, sequence_parallel=sp, sequence_attention=opts.get("attn", "auto"),
         sequence_layout=opts.get("layout", "zigzag"), tiled_mlp=int(opts.get("tiled", 1)), bucket_size_mb=0.002,

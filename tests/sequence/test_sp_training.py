@@ -3,7 +3,8 @@ on whole sequences: HF models built from configs (Llama; Qwen2, biased q/k/v pro
 window covering the sequence), the LightningModule as a user writes it (``self.model(**batch).loss``),
 Lightning's sampler and clipping; per-step losses and gradient norms and the weights after the last step,
 under zero1-3 and zero3 with CPU offload, Ulysses and ring attention, zigzag and contiguous layouts, packed
-rows (against the unpacked run), tiled MLPs, SP 2, SP 4 and dp 2 x sp 2; the example GPT (examples/gpt.py)
+rows (against the unpacked run), tiled MLPs, activation offload (all checkpoints on the host, or half kept on the
+device: the recomputation replays the sequence exchanges), SP 2, SP 4 and dp 2 x sp 2; the example GPT (examples/gpt.py)
 and a nanoGPT-layout model through the attention/positions hook, and the same model calling SDPA itself
 refused at its first step; a Mistral window shorter than the sequence refused; checkpoints saved under SP
 resumed without it and the other way round (Lightning's ``fit(ckpt_path=...)``)."""
@@ -26,6 +27,7 @@ TWO = {
     "nano_zero2": "zero2:sp=2,model=nano", "nano_zero3_ring": "zero3:sp=2,model=nano,attn=ring",
     "gpt_zero1": "zero1:sp=2,model=gpt", "gpt_zero2_ring": "zero2:sp=2,model=gpt,attn=ring",
     "gpt_zero3_offload": "zero3:sp=2,model=gpt,offload=1",
+    "zero3_act_offload_half": "zero3:sp=2,act=0.5", "qwen2_zero2_ring_act_offload": "zero2:sp=2,model=qwen2,attn=ring,act=0",
     "resume_sp2_as_dp2": "zero2:sp=2,samples=8,resume_stage=3,resume_sp=1",
     "resume_dp2_as_sp2": "zero1:sp=1,samples=8,resume_stage=2,resume_sp=2,attn=ring",
     "ref": "ref:dp=1", "ref_packed": "ref:dp=1,packed=1", "ref_nano": "ref:dp=1,model=nano",
