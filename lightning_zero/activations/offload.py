@@ -30,11 +30,12 @@ check bitwise parity with plain checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -221,15 +222,45 @@ def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _wrap(fn: Callable[..., Any], offload: str, offloader: Optional[HostOffloader], preserve_rng_state: bool) -> Callable[..., Any]:
+def running_stats(module: Optional[nn.Module]) -> list[Tensor]:
+    """The buffers a forward in training mode updates in place: batch norms' running statistics."""
+    if module is None:
+        return []
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
+             and m.training and m.track_running_stats]
+    return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+@contextlib.contextmanager
+def _kept(buffers: list[Tensor]) -> Iterator[None]:
+    """[Note: running statistics in a recomputed region] Restore ``buffers`` after the recomputation.
+
+    A batch norm in training mode normalises with the batch's statistics and folds them into its running
+    statistics. Recomputed in backward it would fold them in a second time (``num_batches_tracked`` 2 per
+    step where ddp has 1, the running mean and variance moved twice: what evaluation then uses), so the
+    checkpointed module's running statistics are put back as they were when its recomputation began. The
+    recomputed outputs are unchanged (they use the batch's statistics, not the running ones). Only for
+    modules checkpointed in the module form: a wrapped function's norms are not known."""
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
+
+
+def _wrap(fn: Callable[..., Any], offload: str, offloader: Optional[HostOffloader], preserve_rng_state: bool,
+          module: Optional[nn.Module] = None) -> Callable[..., Any]:
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return fn(*args, **kwargs)
         kwargs = without_kv_cache(kwargs)
-        if offloader is None:
-            return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
-        with offloader.hooks():
+        stats = running_stats(module)
+        if stats:
+            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _kept(stats))
+        with offloader.hooks() if offloader is not None else contextlib.nullcontext():
             return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 
     return run
@@ -265,7 +296,7 @@ def checkpoint(
             return module
         original = module.forward
         module._lz_checkpointed = _Checkpointed(original, offload, offloader)  # type: ignore[assignment]
-        module.forward = _wrap(original, offload, offloader, preserve_rng_state)  # type: ignore[method-assign]
+        module.forward = _wrap(original, offload, offloader, preserve_rng_state, module)  # type: ignore[method-assign]
         return module
     if not callable(module_or_fn):
         raise TypeError(f"checkpoint() takes a module or a function, got {type(module_or_fn).__name__}.")

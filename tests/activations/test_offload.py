@@ -286,3 +286,35 @@ def test_hf_layers_checkpointed_with_the_kv_cache_on_train_like_without_checkpoi
         got = grads(wrap=True)
     ref = grads(wrap=False)
     assert all(torch.allclose(g, r, rtol=1e-5, atol=1e-7) for g, r in zip(got, ref))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_running_statistics_are_folded_in_once(momentum: float) -> None:
+    """offload.py [Note: running statistics in a recomputed region]: a ResNet-style block (conv, batch norm,
+    residual) checkpointed and recomputed in backward keeps the running statistics of the run without
+    checkpointing, bit for bit (``num_batches_tracked`` 1 per step, not 2; ``momentum=None`` averages by it)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4, momentum=momentum)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x))) + x
+
+    def run(wrap: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(4 * 36, 2))
+        if wrap:
+            assert apply_activation_offload(net, ["Block"]) == [net[1], net[2]]
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(step))
+            net(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return {k: v.clone() for k, v in net.state_dict().items()}
+
+    ref, got = run(wrap=False), run(wrap=True)
+    assert int(got["1.bn.num_batches_tracked"]) == 3
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
