@@ -222,13 +222,19 @@ def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def running_stats(module: Optional[nn.Module]) -> list[Tensor]:
+def running_stats(*modules: Optional[nn.Module]) -> list[Tensor]:
     """The buffers a forward in training mode updates in place: batch norms' running statistics."""
-    if module is None:
-        return []
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-             and m.training and m.track_running_stats]
+    norms = [m for module in modules if module is not None for m in module.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
     return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+
+
+def recompute_keeps_stats(*modules: Optional[nn.Module]) -> dict[str, Any]:
+    """Keyword arguments for torch's non-reentrant ``checkpoint`` of a region running ``modules``: a
+    ``context_fn`` that restores their running statistics after the recomputation (see the Note of
+    :func:`_kept`), or nothing when they hold none."""
+    stats = running_stats(*modules)
+    return {"context_fn": lambda: (contextlib.nullcontext(), _kept(stats))} if stats else {}
 
 
 @contextlib.contextmanager
@@ -256,10 +262,7 @@ def _wrap(fn: Callable[..., Any], offload: str, offloader: Optional[HostOffloade
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return fn(*args, **kwargs)
-        kwargs = without_kv_cache(kwargs)
-        stats = running_stats(module)
-        if stats:
-            kwargs["context_fn"] = lambda: (contextlib.nullcontext(), _kept(stats))
+        kwargs = {**without_kv_cache(kwargs), **recompute_keeps_stats(module)}
         with offloader.hooks() if offloader is not None else contextlib.nullcontext():
             return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 

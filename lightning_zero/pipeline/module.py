@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_zero.activations.offload import recompute_keeps_stats
 from lightning_zero.pipeline import partition as split_math
 from lightning_zero.pipeline.specs import LayerSpec, TiedLayerSpec
 
@@ -355,8 +356,24 @@ class PipelineModule(nn.Module):
         if step <= 0 or not torch.is_grad_enabled():
             return self._run_range(indices, x)
         for start in range(indices.start, indices.stop, step):
-            x = checkpoint(self._run_range, range(start, min(start + step, indices.stop)), x, use_reentrant=False)
+            segment = range(start, min(start + step, indices.stop))
+            x = checkpoint(self._run_range, segment, x, use_reentrant=False,
+                           **recompute_keeps_stats(*self._modules_of(segment)))
         return x
+
+    def _modules_of(self, indices: range) -> list[nn.Module]:
+        """The modules layers ``indices`` run (a recomputed segment's batch norms must not count twice:
+        activations/offload.py [Note: running statistics in a recomputed region])."""
+        out = []
+        for i in indices:
+            spec = self._specs[i]
+            if isinstance(spec, TiedLayerSpec):
+                out.append(self.tied[spec.key])
+            elif self._is_layer_module(spec):
+                out.append(self.layers[str(i)])
+            elif isinstance(spec, nn.Module):
+                out.append(spec)
+        return out
 
     def run_part(self, part: int, x: Any) -> Any:
         """Forward through virtual stage ``part`` (this rank must hold it)."""

@@ -136,6 +136,32 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
 
 
+def test_recomputed_segments_fold_batch_norm_statistics_in_once() -> None:
+    """activations/offload.py [Note: running statistics in a recomputed region] for the pipeline's own
+    checkpointing: a CNN's batch norms recomputed in backward keep the statistics of the run without
+    recomputation, bit for bit (LayerSpec-built blocks and a plain module alike)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.bn(self.conv(x))) + x
+
+    states = []
+    for interval in (0, 2):
+        torch.manual_seed(0)
+        pipe = PipelineModule([nn.Conv2d(3, 4, 3, padding=1), LayerSpec(Block), Block(), nn.Flatten(),
+                               nn.Linear(4 * 36, 2)], lambda out, y: F.mse_loss(out, y),
+                              activation_checkpoint_interval=interval)
+        x, y = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)), torch.zeros(4, 2)
+        pipe((x, y)).backward()
+        states.append({k: v.clone() for k, v in pipe.state_dict().items()})
+    assert int(states[1]["layers.1.bn.num_batches_tracked"]) == 1
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
 def test_bad_calls() -> None:
     pipe = PipelineModule(layer_specs(1))
     with pytest.raises(TypeError, match="batch=\\(inputs, labels\\)"):
