@@ -27,7 +27,7 @@ TWO = {
     "nano_zero2": "zero2:sp=2,model=nano", "nano_zero3_ring": "zero3:sp=2,model=nano,attn=ring",
     "gpt_zero1": "zero1:sp=2,model=gpt", "gpt_zero2_ring": "zero2:sp=2,model=gpt,attn=ring",
     "gpt_zero3_offload": "zero3:sp=2,model=gpt,offload=1",
-    "zero3_act_offload_half": "zero3:sp=2,act=0.5", "qwen2_zero2_ring_act_offload": "zero2:sp=2,model=qwen2,attn=ring,act=0",
+    "zero3_act_offload_half": "zero3:sp=2,act=0.5", "zero3_tiled_act_offload": "zero3:sp=2,tiled=2,act=0", "qwen2_zero2_ring_act_offload": "zero2:sp=2,model=qwen2,attn=ring,act=0",
     "resume_sp2_as_dp2": "zero2:sp=2,samples=8,resume_stage=3,resume_sp=1",
     "resume_dp2_as_sp2": "zero1:sp=1,samples=8,resume_stage=2,resume_sp=2,attn=ring",
     "ref": "ref:dp=1", "ref_packed": "ref:dp=1,packed=1", "ref_nano": "ref:dp=1,model=nano",
