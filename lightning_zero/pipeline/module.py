@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.activations.offload import recompute_keeps_stats
+from lightning_zero.activations.recompute import recompute_keeps_stats
 from lightning_zero.pipeline import partition as split_math
 from lightning_zero.pipeline.specs import LayerSpec, TiedLayerSpec
 
@@ -363,7 +363,7 @@ class PipelineModule(nn.Module):
 
     def _modules_of(self, indices: range) -> list[nn.Module]:
         """The modules layers ``indices`` run (a recomputed segment's batch norms must not count twice:
-        activations/offload.py [Note: running statistics in a recomputed region])."""
+        activations/recompute.py [Note: running statistics in a recomputed region])."""
         out = []
         for i in indices:
             spec = self._specs[i]

@@ -264,7 +264,7 @@ def test_the_strategy_option_splits_the_units_and_refuses_it_alone() -> None:
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hf_layers_checkpointed_with_the_kv_cache_on_train_like_without_checkpointing(attn: str) -> None:
-    """offload.py [Note: no key/value cache in a recomputed region]: an HF Llama called as users call it
+    """recompute.py [Note: no key/value cache in a recomputed region]: an HF Llama called as users call it
     (``use_cache`` left at HF's default, True), its decoder layers checkpointed: the recomputation must not
     append the layer's keys to the cache a second time. Gradients equal the run without checkpointing."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -290,7 +290,7 @@ def test_hf_layers_checkpointed_with_the_kv_cache_on_train_like_without_checkpoi
 
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_batch_norm_running_statistics_are_folded_in_once(momentum: float) -> None:
-    """offload.py [Note: running statistics in a recomputed region]: a ResNet-style block (conv, batch norm,
+    """recompute.py [Note: running statistics in a recomputed region]: a ResNet-style block (conv, batch norm,
     residual) checkpointed and recomputed in backward keeps the running statistics of the run without
     checkpointing, bit for bit (``num_batches_tracked`` 1 per step, not 2; ``momentum=None`` averages by it)."""
 

@@ -74,7 +74,7 @@ def make_strategy(model_name: str, spec: str) -> Any:
             stage=3, offload_optimizer="cpu", offload_params="cpu", param_persistence_threshold=0, **timeout
         )
     # activation offload: every block checkpointed, recomputed in backward (a batch norm must not fold its
-    # statistics in twice, an HF layer must not take its keys into the cache twice: activations/offload.py)
+    # statistics in twice, an HF layer must not take its keys into the cache twice: activations/recompute.py)
     if kind == "zero2_act":
         return lightning_zero.ZeroStrategy(stage=2, bucket_size_mb=0.002, activation_offload=True, **timeout)
     if kind == "zero3_act":
