@@ -186,6 +186,16 @@ class CommProfiler(Callback):
         if notes:
             self.result["note"] = "; ".join(notes)
 
+    def _stopped(self) -> tuple[Any, Optional[int]]:
+        """Stop the window (for a subclass's ``_stop``): the stopped profiler and this rank's CUDA device index
+        (None on CPU). Raises what stopping raised."""
+        prof, window, self._prof, self._window = self._prof, self._window, None, None
+        self._sync()
+        if window is not None:
+            window.__exit__(None, None, None)
+        prof.stop()
+        return prof, self._device.index if self._device is not None and self._device.type == "cuda" else None
+
     @property
     def exposed_comm(self) -> Optional[float]:
         return self.result.get("exposed_fraction")

@@ -58,13 +58,8 @@ class KernelProfiler(CommProfiler):
         super().__init__(start_after, steps=steps)
 
     def _stop(self) -> None:  # type: ignore[override]
-        prof, window, self._prof, self._window = self._prof, self._window, None, None
         try:
-            self._sync()
-            if window is not None:
-                window.__exit__(None, None, None)
-            prof.stop()
-            index = self._device.index if self._device is not None and self._device.type == "cuda" else None
+            prof, index = self._stopped()
             kernels, span, _, notes = _device_activity(prof, index)
             wall = (span[1] - span[0]) if span else (max(e for *_, e in kernels) - min(s for _, s, _ in kernels))
             per_name: dict[str, list[float]] = {}

@@ -40,6 +40,16 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD
 TR="python3 -m torch.distributed.run --standalone --nproc-per-node"
 mark() { echo "$1 exit $2 at $((SECONDS - START)) s" >> "$OUT/setup.log"; }
+balanced_moe_rows() {  # N: dense, then MoE at EP N on a balanced routing, capacity and sorted dispatch (#32 item 3)
+  local c
+  for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
+    set -- $c
+    [ "$(left)" -gt 60 ] || break
+    PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR "$N" benchmarks/moe.py --config $1 \
+      --ep "$N" --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
+    mark "moe $c" $?
+  done
+}
 
 case "$CALL" in
   A)
@@ -261,13 +271,7 @@ case "$CALL" in
     python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --steps 14 --saves 0 --held-steps 4 \
       --configs zero3_async --budget-s 280 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_8b" \
       > "$OUT/held_8b.log" 2>&1; mark "held 8b" $?
-    for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
-      set -- $c
-      [ "$(left)" -gt 60 ] || break
-      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 4 benchmarks/moe.py --config $1 \
-        --ep 4 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
-      mark "moe $c" $?
-    done
+    N=4 balanced_moe_rows
     ;;
   AM2)  # 2 GPUs (x4 withdrawn at 20:30): AM4 at 2 GPUs: the staging tests, GPT-1.3B's in-loop saves (a device
         # snapshot: the chunked copies), then MB2's MoE rows at EP 2 on a balanced routing
@@ -276,13 +280,7 @@ case "$CALL" in
     python3 benchmarks/checkpoint.py --gpus 2 --model gpt_1b --micro-batch 1 --steps 20 --saves 0 --held-steps 5 \
       --configs zero3_async --budget-s 200 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_gpt_1b" \
       > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?
-    for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
-      set -- $c
-      [ "$(left)" -gt 60 ] || break
-      PYTHONPATH=$PYTHONPATH timeout $(( $(left) < 110 ? $(left) - 10 : 100 )) $TR 2 benchmarks/moe.py --config $1 \
-        --ep 2 --dispatch $2 --routing $3 --lr 1e-4 --steps 15 --warmup 5 > "$OUT/moe_$1_$2_$3.log" 2>&1
-      mark "moe $c" $?
-    done
+    N=2 balanced_moe_rows
     ;;
   MP2)  # 2 GPUs: #32 item 3's 0.69x at EP 2 with a balanced routing (AM2, 20:27): where the step goes on the device,
         # dense beside MoE (moe.py --profile: two untimed steps after the timed ones, device time per kernel category)

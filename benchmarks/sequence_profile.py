@@ -51,13 +51,8 @@ class SeqCommProfiler(CommProfiler):
         super().__init__(start_after, steps=1)
 
     def _stop(self) -> None:  # type: ignore[override]
-        prof, window, self._prof, self._window = self._prof, self._window, None, None
         try:
-            self._sync()
-            if window is not None:
-                window.__exit__(None, None, None)
-            prof.stop()
-            index = self._device.index if self._device is not None and self._device.type == "cuda" else None
+            prof, index = self._stopped()
             self.result = {**analyse(prof, index), "steps": self._profiled}
         except Exception as exc:  # noqa: BLE001 - a profiler failure is a note, never a failed row
             traceback.print_exc()
