@@ -332,10 +332,11 @@ class PieceSavePlanner(DefaultSavePlanner):
         writer thread, holding the GIL the training loop needs."""
         return {_WRAPPED: entries}
 
-    def set_up_planner(self, state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        # the parameters by name: DCP reads this signature and warns when ``storage_meta`` is missing
         if len(state_dict) == 1 and _WRAPPED in state_dict:
             state_dict = state_dict[_WRAPPED]
-        super().set_up_planner(state_dict, *args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         found = _resolve(self.state_dict, index)
