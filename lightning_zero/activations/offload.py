@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_zero.activations.host_blocks import EXACT_MIN_BYTES, HostBlocks
-from lightning_zero.activations.recompute import recompute_keeps_stats, without_kv_cache
+from lightning_zero.activations.recompute import replay_buffers, without_kv_cache
 
 OFFLOAD_CHOICES = ("cpu", "none")
 """``offload`` values: 'cpu' (checkpoints in pinned host memory) or 'none' (plain non-reentrant checkpointing)."""
@@ -200,7 +200,7 @@ def _wrap(fn: Callable[..., Any], offload: str, offloader: Optional[HostOffloade
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
             return fn(*args, **kwargs)
-        kwargs = {**without_kv_cache(kwargs), **recompute_keeps_stats(module)}
+        kwargs = {**without_kv_cache(kwargs), **replay_buffers(module)}
         with offloader.hooks() if offloader is not None else contextlib.nullcontext():
             return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
 

@@ -2,9 +2,10 @@
 offload.py's, the pipeline's segments).
 
 torch's checkpoint replays a region's forward to rebuild what backward needs; state the forward changes in
-place changes again. Two kinds reach users' models through our checkpointing: an HF decoder layer's
-key/value cache and batch norms' running statistics (the Notes below). Dropout needs nothing here: the
-checkpoint replays the random state.
+place changes again. What reaches users' models through our checkpointing: an HF decoder layer's key/value
+cache, which a training step never reads (dropped), and buffers (replayed: batch norms' running statistics,
+spectral norm's power iteration); the Notes below. Dropout needs nothing here: the checkpoint replays the
+random state.
 """
 
 from __future__ import annotations
@@ -44,35 +45,80 @@ def without_kv_cache(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def running_stats(*modules: Optional[nn.Module]) -> list[Tensor]:
-    """The buffers a forward in training mode updates in place: batch norms' running statistics."""
-    norms = [m for module in modules if module is not None for m in module.modules()
-             if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats]
-    return [b for m in norms for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+REPLAY_MAX_BYTES = 1 << 20
+"""Buffers up to this size are copied when a checkpointed forward starts, so that one the forward changes can be
+replayed; a larger one that changes is refused (:class:`_Replay`)."""
 
 
-def recompute_keeps_stats(*modules: Optional[nn.Module]) -> dict[str, Any]:
+def _untracked(module: nn.Module) -> list[Tensor]:
+    """Buffers a training forward changes without bumping their version counter: batch norms' running mean and
+    variance (updated inside the kernel). Every other in-place change bumps it."""
+    return [b for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.training
+            and m.track_running_stats for b in (m.running_mean, m.running_var) if b is not None]
+
+
+def replay_buffers(*modules: Optional[nn.Module]) -> dict[str, Any]:
     """Keyword arguments for torch's non-reentrant ``checkpoint`` of a region running ``modules``: a
-    ``context_fn`` that restores their running statistics after the recomputation (see the Note of
-    :func:`_kept`), or nothing when they hold none."""
-    stats = running_stats(*modules)
-    return {"context_fn": lambda: (contextlib.nullcontext(), _kept(stats))} if stats else {}
+    ``context_fn`` that replays the buffers the forward changed ([Note: buffers in a recomputed region]), or
+    nothing when the modules hold no buffer."""
+    present = [m for m in modules if m is not None]
+    buffers = list({id(b): b for m in present for b in m.buffers()}.values())
+    if not buffers:
+        return {}
+    names = {id(b): f"{type(m).__name__}.{n}" for m in present for n, b in m.named_buffers()}
+
+    def context_fn() -> tuple[Any, Any]:
+        replay = _Replay(buffers, {id(b) for m in present for b in _untracked(m)}, names)
+        return replay.forward(), replay.recompute()
+
+    return {"context_fn": context_fn}
 
 
-@contextlib.contextmanager
-def _kept(buffers: list[Tensor]) -> Iterator[None]:
-    """[Note: running statistics in a recomputed region] Restore ``buffers`` after the recomputation.
+class _Replay:
+    """[Note: buffers in a recomputed region] One checkpointed call's buffers, from its forward to its
+    recomputation.
 
-    A batch norm in training mode normalises with the batch's statistics and folds them into its running
-    statistics. Recomputed in backward it would fold them in a second time (``num_batches_tracked`` 2 per
-    step where ddp has 1, the running mean and variance moved twice: what evaluation then uses), so the
-    checkpointed module's running statistics are put back as they were when its recomputation began. The
-    recomputed outputs are unchanged (they use the batch's statistics, not the running ones). Only for
-    modules checkpointed in the module form: a wrapped function's norms are not known."""
-    saved = [b.clone() for b in buffers]
-    try:
+    torch's checkpoint replays a region's forward in backward; a buffer the forward changed in place is
+    changed again, from its new value. A batch norm in training mode folded its batch's statistics into its
+    running statistics twice (``num_batches_tracked`` 2 per step where ddp has 1, the running mean and
+    variance moved twice: what evaluation then uses); spectral norm's power iteration ran twice, so the
+    recomputed weight was not the forward's and the gradients were wrong (both found 2026-11-29, both silent).
+    So: when the forward starts, every buffer up to :data:`REPLAY_MAX_BYTES` is copied; when it ends, the
+    copies of buffers it did not change are dropped (a changed buffer is one whose version counter moved, and
+    batch norms' running mean and variance in training mode, which the kernel updates without it). The
+    recomputation starts from the kept copies, the forward's own starting state, and afterwards every such
+    buffer is put back as the forward left it. A larger buffer the forward changed cannot be replayed and is
+    refused, naming it. Host-side bookkeeping only: no device synchronisation."""
+
+    def __init__(self, buffers: list[Tensor], untracked: set[int], names: dict[int, str]) -> None:
+        self.buffers, self.untracked, self.names = buffers, untracked, names
+        self.before: list[tuple[Tensor, Tensor]] = []
+        """(buffer, its value when the forward started), for the buffers the forward changed."""
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        start = [(b, b._version, b.clone() if b.numel() * b.element_size() <= REPLAY_MAX_BYTES else None)
+                 for b in self.buffers]
         yield
-    finally:
+        for b, version, copy in start:
+            if b._version == version and id(b) not in self.untracked:
+                continue
+            if copy is None:
+                raise RuntimeError(
+                    f"{self.names.get(id(b), 'a buffer')} ({b.numel() * b.element_size() >> 20} MiB) changed in "
+                    "the forward of a checkpointed module: recomputing it in backward would start from the changed "
+                    "value. Leave this module out of activation checkpointing (activation_offload_policy).")
+            self.before.append((b, copy))
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        after = [(b, b.clone()) for b, _ in self.before]
         with torch.no_grad():
-            for b, s in zip(buffers, saved):
-                b.copy_(s)
+            for b, copy in self.before:
+                b.copy_(copy)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, copy in after:
+                    b.copy_(copy)

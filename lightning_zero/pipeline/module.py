@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_zero.activations.recompute import recompute_keeps_stats
+from lightning_zero.activations.recompute import replay_buffers
 from lightning_zero.pipeline import partition as split_math
 from lightning_zero.pipeline.specs import LayerSpec, TiedLayerSpec
 
@@ -358,12 +358,12 @@ class PipelineModule(nn.Module):
         for start in range(indices.start, indices.stop, step):
             segment = range(start, min(start + step, indices.stop))
             x = checkpoint(self._run_range, segment, x, use_reentrant=False,
-                           **recompute_keeps_stats(*self._modules_of(segment)))
+                           **replay_buffers(*self._modules_of(segment)))
         return x
 
     def _modules_of(self, indices: range) -> list[nn.Module]:
-        """The modules layers ``indices`` run (a recomputed segment's batch norms must not count twice:
-        activations/recompute.py [Note: running statistics in a recomputed region])."""
+        """The modules layers ``indices`` run (a recomputed segment replays their buffers:
+        activations/recompute.py [Note: buffers in a recomputed region])."""
         out = []
         for i in indices:
             spec = self._specs[i]

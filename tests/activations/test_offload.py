@@ -290,7 +290,7 @@ def test_hf_layers_checkpointed_with_the_kv_cache_on_train_like_without_checkpoi
 
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_batch_norm_running_statistics_are_folded_in_once(momentum: float) -> None:
-    """recompute.py [Note: running statistics in a recomputed region]: a ResNet-style block (conv, batch norm,
+    """recompute.py [Note: buffers in a recomputed region]: a ResNet-style block (conv, batch norm,
     residual) checkpointed and recomputed in backward keeps the running statistics of the run without
     checkpointing, bit for bit (``num_batches_tracked`` 1 per step, not 2; ``momentum=None`` averages by it)."""
 
@@ -318,3 +318,45 @@ def test_batch_norm_running_statistics_are_folded_in_once(momentum: float) -> No
     ref, got = run(wrap=False), run(wrap=True)
     assert int(got["1.bn.num_batches_tracked"]) == 3
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_spectral_norm_is_recomputed_from_the_forwards_own_power_iteration() -> None:
+    """recompute.py [Note: buffers in a recomputed region]: spectral norm (SN-GAN's discriminators) runs a power
+    iteration in every training forward, updating its ``_u``/``_v`` buffers. Recomputed from the updated
+    buffers, the weight differed from the forward's and the gradients were wrong; now they and the buffers
+    equal the run without checkpointing."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def run(wrap: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        block = nn.Sequential(spectral_norm(nn.Linear(8, 8)), nn.Tanh(), spectral_norm(nn.Linear(8, 8)))
+        if wrap:
+            checkpoint(block, offload="cpu")
+        for step in range(2):
+            block(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).square().sum().backward()
+        return [p.grad.clone() for p in block.parameters()], {k: v.clone() for k, v in block.state_dict().items()}
+
+    (ref_grads, ref_state), (grads, state) = run(wrap=False), run(wrap=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_a_large_buffer_changed_in_the_forward_is_refused_naming_it() -> None:
+    """A buffer above REPLAY_MAX_BYTES is not copied ahead of each forward; if the forward changes it, the
+    recomputation could not start from the forward's state, so the forward refuses, naming the buffer."""
+
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("seen", torch.zeros(1 << 19))  # 2 MiB of fp32
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.seen.add_(1)
+            return self.lin(x)
+
+    module = checkpoint(Counter(), offload="none")
+    with pytest.raises(RuntimeError, match="Counter.seen .2 MiB. changed in the forward"):
+        module(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        module(torch.randn(2, 4))  # evaluation recomputes nothing: allowed

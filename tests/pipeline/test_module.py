@@ -137,7 +137,7 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
 
 
 def test_recomputed_segments_fold_batch_norm_statistics_in_once() -> None:
-    """activations/recompute.py [Note: running statistics in a recomputed region] for the pipeline's own
+    """activations/recompute.py [Note: buffers in a recomputed region] for the pipeline's own
     checkpointing: a CNN's batch norms recomputed in backward keep the statistics of the run without
     recomputation, bit for bit (LayerSpec-built blocks and a plain module alike)."""
 
