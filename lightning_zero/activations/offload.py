@@ -34,7 +34,7 @@ import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -66,7 +66,7 @@ class OffloadStats:
 class _Handle:
     """One offloaded tensor: its host copy and, once fetched, the device copy on its way back."""
 
-    __slots__ = ("host", "device", "offloaded", "fetched", "back", "prev", "unpacked", "events", "__weakref__")
+    __slots__ = ("host", "device", "offloaded", "fetched", "back", "prev", "unpacked", "events", "out", "__weakref__")
 
     def __init__(self, host: Tensor, device: torch.device, prev: Optional["_Handle"]) -> None:
         self.host = host
@@ -78,6 +78,8 @@ class _Handle:
         self.unpacked = False
         self.events: list[torch.cuda.Event] = []
         """Every copy that reads or writes ``host`` (an exact-size block is reused only after them)."""
+        self.out: Optional[Tensor] = None
+        """The device tensor the first unpack returned: later unpacks of the same handle return it too."""
 
 
 @dataclass
@@ -98,10 +100,24 @@ class HostOffloader:
     _last: Optional[weakref.ref] = field(default=None, repr=False)
     _streams: dict = field(default_factory=dict, repr=False)
     _blocks: Optional[HostBlocks] = field(default=None, repr=False)
+    _region: dict = field(default_factory=dict, repr=False)
+    """id -> (weak tensor, its version, handle) of what the open region packed ([Note: one copy per tensor])."""
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context manager to open around a checkpoint call."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The context manager to open around a checkpoint call. [Note: one copy per tensor] A tensor the region
+        takes several times (``attn(x, x, x)``: query, key and value) is copied to the host once, not once per
+        use, and its unpacks return one tensor. For an input that does not require grad that also keeps
+        ``query is key`` true in the recomputation (nn.MultiheadAttention picks its packed projection by it);
+        for one that does, autograd wraps each unpack in a tensor of its own, the recomputation takes the other
+        projection and torch's checkpoint refuses it (a CheckpointError naming the saved tensors' shapes, not a
+        silent difference): checkpoint the layer around such a module rather than the module itself."""
+        self._region = {}
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._region = {}
 
     def _stream(self, device: torch.device) -> "torch.cuda.Stream":
         stream = self._streams.get(device)
@@ -113,6 +129,14 @@ class HostOffloader:
     def pack(self, t: Tensor) -> Any:
         if isinstance(t, nn.Parameter) or t.device.type not in ("cpu", "cuda") or t.numel() * t.element_size() < self.min_bytes:
             return t  # weights stay where they are; so do tiny and exotic tensors
+        seen = self._region.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
+        handle = self._pack(t)
+        self._region[id(t)] = (weakref.ref(t), t._version, handle)
+        return handle
+
+    def _pack(self, t: Tensor) -> "_Handle":
         pin = self.pin_memory if self.pin_memory is not None else torch.cuda.is_available()
         nbytes = t.numel() * t.element_size()
         exact = pin and t.device.type == "cuda" and nbytes >= EXACT_MIN_BYTES  # [Note: exact-size checkpoint blocks]
@@ -153,6 +177,8 @@ class HostOffloader:
         handle.unpacked = True
         if handle.device.type != "cuda":
             return handle.host
+        if handle.out is not None:  # saved more than once ([Note: one copy per tensor])
+            return handle.out
         if handle.back is None:
             self._fetch(handle)
         current = torch.cuda.current_stream(handle.device)
@@ -160,6 +186,7 @@ class HostOffloader:
         current.wait_event(handle.fetched)
         out, handle.back = handle.back, None
         out.record_stream(current)
+        handle.out = out
         if self.prefetch:
             prev = handle.prev() if handle.prev is not None else None
             if prev is not None and not prev.unpacked and prev.back is None:

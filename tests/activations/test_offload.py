@@ -360,3 +360,28 @@ def test_a_large_buffer_changed_in_the_forward_is_refused_naming_it() -> None:
         module(torch.randn(2, 4, requires_grad=True))
     with torch.no_grad():
         module(torch.randn(2, 4))  # evaluation recomputes nothing: allowed
+
+
+def test_a_tensor_saved_several_times_is_one_host_copy_and_one_tensor_back() -> None:
+    """offload.py [Note: one copy per tensor]: nn.MultiheadAttention called as ``attn(x, x, x)`` on an input that
+    does not require grad (an embedding's output under a frozen embedding): one host copy serves query, key and
+    value (three before), and the recomputation takes the forward's packed projection again (before, torch's
+    checkpoint refused it); gradients equal the run without checkpointing. With an input requiring grad the
+    recomputation is refused loudly (autograd's own wrapping), as the Note says."""
+
+    def run(wrap: bool, grad: bool) -> tuple[list[torch.Tensor], HostOffloader]:
+        torch.manual_seed(0)
+        attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        offloader = HostOffloader()
+        if wrap:
+            checkpoint(attn, offload="cpu", offloader=offloader)
+        x = torch.randn(2, 5, 8, requires_grad=grad)
+        attn(x, x, x)[0].square().sum().backward()
+        return [p.grad.clone() for p in attn.parameters()], offloader
+
+    ref, _ = run(wrap=False, grad=False)
+    got, offloader = run(wrap=True, grad=False)
+    assert offloader.stats.packed == 1
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, ref))
+    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+        run(wrap=True, grad=True)
