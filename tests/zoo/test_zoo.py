@@ -56,7 +56,7 @@ STAGES: dict[str, list[str]] = {
     # (offload/param_writes.py); stage 3 refuses them (REFUSED) and follows them inside gathered_params
     "clamped": ["zero1", "zero2", "zero2_offload", "zero2_partial"],
     "clamped_gathered": ["zero2", "zero3", "zero3_offload"],
-    "legacy_norms": ["zero1", "zero2", "zero3", "zero3_offload"],
+    "legacy_norms": ["zero1", "zero2", "zero3", "zero3_offload", "zero3_act"],
     "fno": ["zero1", "zero2", "zero3", "zero3_offload"],
     "channels_last": ["zero1", "zero2", "zero3", "zero3_offload"],
 }
