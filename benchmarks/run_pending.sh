@@ -41,6 +41,14 @@ mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD
 TR="python3 -m torch.distributed.run --standalone --nproc-per-node"
 mark() { echo "$1 exit $2 at $((SECONDS - START)) s" >> "$OUT/setup.log"; }
+held_saves_then_moe() {  # GPUS MODEL STEPS K BUDGET: the staging tests, two in-loop async saves, then the MoE rows
+  timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
+    > "$OUT/async_tests.log" 2>&1; mark async_tests $?
+  python3 benchmarks/checkpoint.py --gpus "$1" --model "$2" --micro-batch 1 --steps "$3" --saves 0 --held-steps "$4" \
+    --configs zero3_async --budget-s "$5" --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_$2" \
+    > "$OUT/held_$2.log" 2>&1; mark "held $2" $?
+  N=$1 balanced_moe_rows
+}
 balanced_moe_rows() {  # N: dense, then MoE at EP N on a balanced routing, capacity and sorted dispatch (#32 item 3)
   local c
   for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
@@ -267,21 +275,11 @@ case "$CALL" in
   AM4)  # 4 GPUs (2026-11-29, fourth session): AS4 again after the chunked snapshot copies (AS4 at 20:16: the step
         # after the save waited 0.35 s for the whole device-to-host copy, d2h_contention.py), then #32 item 3 at EP 4
         # on a balanced routing against dense (B2's MoE rows without its pipeline sweep, which nothing changed)
-    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
-      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
-    python3 benchmarks/checkpoint.py --gpus 4 --model gpt_8b --micro-batch 1 --steps 14 --saves 0 --held-steps 4 \
-      --configs zero3_async --budget-s 280 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_8b" \
-      > "$OUT/held_8b.log" 2>&1; mark "held 8b" $?
-    N=4 balanced_moe_rows
+    held_saves_then_moe 4 gpt_8b 14 4 280
     ;;
   AM2)  # 2 GPUs (x4 withdrawn at 20:30): AM4 at 2 GPUs: the staging tests, GPT-1.3B's in-loop saves (a device
         # snapshot: the chunked copies), then MB2's MoE rows at EP 2 on a balanced routing
-    timeout 150 python3 -m pytest -q -m gpu tests/checkpoint/test_async_stage.py -p no:cacheprovider \
-      > "$OUT/async_tests.log" 2>&1; mark async_tests $?
-    python3 benchmarks/checkpoint.py --gpus 2 --model gpt_1b --micro-batch 1 --steps 20 --saves 0 --held-steps 5 \
-      --configs zero3_async --budget-s 200 --ckpt-dir /tmp/lz_ckpt --out-dir "$OUT/held_gpt_1b" \
-      > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?
-    N=2 balanced_moe_rows
+    held_saves_then_moe 2 gpt_1b 20 5 200
     ;;
   MP2)  # 2 GPUs: #32 item 3's 0.69x at EP 2 with a balanced routing (AM2, 20:27): where the step goes on the device,
         # dense beside MoE (moe.py --profile: two untimed steps after the timed ones, device time per kernel category)

@@ -65,10 +65,9 @@ def replay_buffers(*modules: Optional[nn.Module]) -> dict[str, Any]:
     buffers = list({id(b): b for m in present for b in m.buffers()}.values())
     if not buffers:
         return {}
-    names = {id(b): f"{type(m).__name__}.{n}" for m in present for n, b in m.named_buffers()}
 
     def context_fn() -> tuple[Any, Any]:
-        replay = _Replay(buffers, {id(b) for m in present for b in _untracked(m)}, names)
+        replay = _Replay(buffers, {id(b) for m in present for b in _untracked(m)}, present)
         return replay.forward(), replay.recompute()
 
     return {"context_fn": context_fn}
@@ -90,8 +89,8 @@ class _Replay:
     buffer is put back as the forward left it. A larger buffer the forward changed cannot be replayed and is
     refused, naming it. Host-side bookkeeping only: no device synchronisation."""
 
-    def __init__(self, buffers: list[Tensor], untracked: set[int], names: dict[int, str]) -> None:
-        self.buffers, self.untracked, self.names = buffers, untracked, names
+    def __init__(self, buffers: list[Tensor], untracked: set[int], modules: list[nn.Module]) -> None:
+        self.buffers, self.untracked, self.modules = buffers, untracked, modules
         self.before: list[tuple[Tensor, Tensor]] = []
         """(buffer, its value when the forward started), for the buffers the forward changed."""
 
@@ -105,10 +104,15 @@ class _Replay:
                 continue
             if copy is None:
                 raise RuntimeError(
-                    f"{self.names.get(id(b), 'a buffer')} ({b.numel() * b.element_size() >> 20} MiB) changed in "
+                    f"{self._name(b)} ({b.numel() * b.element_size() >> 20} MiB) changed in "
                     "the forward of a checkpointed module: recomputing it in backward would start from the changed "
                     "value. Leave this module out of activation checkpointing (activation_offload_policy).")
             self.before.append((b, copy))
+
+    def _name(self, buffer: Tensor) -> str:
+        """``Module.buffer`` for the refusal (looked up only then: forwards do not pay for the names)."""
+        return next((f"{type(m).__name__}.{n}" for m in self.modules for n, b in m.named_buffers() if b is buffer),
+                    "a buffer")
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
