@@ -10,7 +10,8 @@ markdown table on rank 0:
 
 Each variant trains the example GPT (examples/gpt.py) on the same random token batches from the same
 weights under ``ZeroFabricStrategy(stage=3, ...)`` (bf16-mixed on CUDA, fp32 on CPU), one after the other in
-this process group: ``zero3``, ``qwZ`` (int8 weights), ``qgZ`` (int4 gradients), ``qwZ+qgZ``, and with
+this process group: ``zero3``, ``qwZ`` (int8 weights), ``qgZ`` (int4 gradients), ``qgZ-sr`` (the same, rounded
+stochastically: ``gradient_rounding="stochastic"``), ``qwZ+qgZ``, and with
 ``--hpz`` > 1 also ``hpZ`` and ``qwZ+qgZ+hpZ``. Reported: the median step time after the first ``--skip``
 steps, tokens/s over all ranks and its ratio to zero3's, the bytes one rank sent per step as the engine
 counted them (all of them, and those that leave an hpZ group: comm/traffic.py), and the last step's loss
@@ -54,6 +55,7 @@ NODE_LOCAL = ("param_gather_node", "grad_reduce_node")
 def variants(hpz: int) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {
         "zero3": {}, "qwZ": {"quantized_weights": "int8"}, "qgZ": {"quantized_gradients": "int4"},
+        "qgZ-sr": {"quantized_gradients": "int4", "gradient_rounding": "stochastic"},
         "qwZ+qgZ": {"quantized_weights": "int8", "quantized_gradients": "int4"},
     }
     if hpz > 1:
@@ -113,12 +115,19 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first steps left out of the timing")
     parser.add_argument("--hpz", type=int, default=1, help="hpz_partition_size for the hpZ variants (1: none)")
     parser.add_argument("--block", type=int, default=2048, help="quant_block_size")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run (zero3 first; default: all)")
     parser.add_argument("--persist", type=int, default=None,
                         help="param_persistence_threshold (default: the library's; 0 for the tiny model, whose blocks "
                              "would all stay gathered)")
     args = parser.parse_args()
     rows = []
-    for name, options in variants(args.hpz).items():
+    chosen = variants(args.hpz)
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(chosen)
+        if unknown or not args.variants.startswith("zero3"):
+            parser.error(f"--variants: zero3 first, then any of {list(chosen)} (unknown: {sorted(unknown)})")
+        chosen = {k: chosen[k] for k in args.variants.split(",")}
+    for name, options in chosen.items():
         if args.persist is not None:
             options = dict(options, param_persistence_threshold=args.persist)
         if any(k.startswith("quantized") for k in options):

@@ -29,6 +29,9 @@ CONFIGS = {
     "qg_hpz": {"quantized_gradients": "int4", "hpz_partition_size": 2},
     "qg_b256": {"quantized_gradients": "int4", "quant_block_size": 256},  # does a smaller block narrow qgZ's distance?
     "qg8": {"quantized_gradients": "int8"},
+    "qg_sr": {"quantized_gradients": "int4", "gradient_rounding": "stochastic"},  # int4 without rounding's bias?
+    "all_sr": {"quantized_weights": "int8", "quantized_gradients": "int4", "hpz_partition_size": 2,
+               "gradient_rounding": "stochastic"},
     "all": {"quantized_weights": "int8", "quantized_gradients": "int4", "hpz_partition_size": 2},
 }
 

@@ -86,27 +86,29 @@ class QuantizedWork:
 
 
 def _quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
-                   interleave: int = 1) -> Tensor:
+                   interleave: int = 1, seed: Optional[int] = None) -> Tensor:
     """Each row of ``rows`` quantized on its own (blocks never straddle rows) and packed as one row of bytes:
     its fp32 scales, then the codes of its real elements ([Note: codes on the wire]); one exchange sends
     both. Flat, ``n x quantized_nbytes(numel, ...)``, in ``out`` if given (contiguous uint8 of that size).
     ``interleave = k``: the rows of ``rows.reshape(k, n, numel // k).transpose(0, 1)`` instead (hpZ's
     arrangement; the fused kernel reads them in place: triton_blocks.py [Note: no arranged copy]).
+    ``seed``: codes rounded stochastically (quant/blocks.py [Note: stochastic rounding of codes]).
     On CUDA, the fused kernel (equal bytes)."""
     if fused.fused_applies(rows, block):
-        return fused.quantize_rows(rows, bits, block, out, interleave)
+        return fused.quantize_rows(rows, bits, block, out, interleave, seed)
     if interleave > 1:
         n, numel = rows.shape
         rows = rows.reshape(interleave, n, numel // interleave).transpose(0, 1).reshape(n, numel)
-    return _quantize_rows_eager(rows, bits, block, out)
+    return _quantize_rows_eager(rows, bits, block, out, seed)
 
 
-def _quantize_rows_eager(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None) -> Tensor:
+def _quantize_rows_eager(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
+                         seed: Optional[int] = None) -> Tensor:
     """:func:`_quantize_rows` in pure torch: the definition, and the path off CUDA."""
     n, numel = rows.shape
     pad = (-numel) % block
     padded = F.pad(rows.detach(), (0, pad)) if pad and n > 1 else rows  # one row: quantize pads its last block
-    qb = quantize(padded, bits=bits, block=block)
+    qb = quantize(padded, bits=bits, block=block, seed=seed)
     nb, wire = math.ceil(numel / block), code_bytes(numel, bits)
     if out is not None:
         packed = out.view(n, nb * 4 + wire)
@@ -185,19 +187,21 @@ Into = Callable[[], tuple[Tensor, bool]]
 
 
 def start_reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048,
-                         divisor: int = 1, into: Optional[Into] = None, interleave: int = 1) -> QuantizedWork:
+                         divisor: int = 1, into: Optional[Into] = None, interleave: int = 1,
+                         seed: Optional[int] = None) -> QuantizedWork:
     """Launch the quantized reduce-scatter of ``full`` (flat, ``numel`` divisible by the group size): one
     all-to-all of each rank's per-destination chunks; ``wait`` leaves this rank's chunk of the sum over
     ranks in ``result``, fp32, summed from the dequantized contributions in rank order, then divided by
     ``divisor`` (stage 3's data-parallel mean, in the same pass on CUDA). With ``into``, ``wait`` writes it
     (or adds it) into the destination ``into()`` gives instead, and ``result`` is that destination.
-    ``interleave``: the chunks of ``full`` as :func:`_quantize_rows` arranges them (hpZ's two levels)."""
+    ``interleave``: the chunks of ``full`` as :func:`_quantize_rows` arranges them (hpZ's two levels);
+    ``seed``: codes rounded stochastically (quant/blocks.py [Note: stochastic rounding of codes])."""
     n = C.world_size(group)
     flat = full.reshape(-1)
     if flat.numel() % n:
         raise ValueError(f"{flat.numel()} elements do not split into {n} equal chunks")
     m = flat.numel() // n
-    packed = _quantize_rows(flat.view(n, m), bits, block, interleave=interleave)
+    packed = _quantize_rows(flat.view(n, m), bits, block, interleave=interleave, seed=seed)
     received = torch.empty_like(packed)
     work = C.all_to_all(received, packed, group, async_op=True)
 
@@ -213,10 +217,11 @@ class TwoLevelWork(QuantizedWork):
     :meth:`advance` (or ``wait``), which needs the inner sums."""
 
     def __init__(self, first: QuantizedWork, outer: Optional[C.ProcessGroup], bits: int, block: int,
-                 levels: tuple[int, ...], divisor: int = 1, into: Optional[Into] = None) -> None:
+                 levels: tuple[int, ...], divisor: int = 1, into: Optional[Into] = None,
+                 seed: Optional[int] = None) -> None:
         super().__init__([], self._finish_both, levels)
         self._first, self._outer, self._bits, self._block = first, outer, bits, block
-        self._divisor, self._into = divisor, into
+        self._divisor, self._into, self._seed = divisor, into, seed
         self._second: Optional[QuantizedWork] = None
 
     def advance(self) -> None:
@@ -226,7 +231,7 @@ class TwoLevelWork(QuantizedWork):
             self._first.wait()
             inner_sums: Tensor = self._first.result  # type: ignore[assignment]
             self._second = start_reduce_scatter(inner_sums, self._outer, self._bits, self._block, self._divisor,
-                                                self._into)
+                                                self._into, seed=self._seed)
 
     def _finish_both(self) -> Optional[Tensor]:
         self.advance()
@@ -237,7 +242,8 @@ class TwoLevelWork(QuantizedWork):
 
 def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGroup], outer: Optional[C.ProcessGroup],
                                       bits: int = 8, block: int = 2048, divisor: int = 1,
-                                      into: Optional[Into] = None) -> TwoLevelWork:
+                                      into: Optional[Into] = None, seeds: Optional[tuple[int, int]] = None
+                                      ) -> TwoLevelWork:
     """Two-level quantized reduce-scatter over ``inner`` (``h`` contiguous ranks, a node) then ``outer`` (the
     ``k`` ranks of equal position in each node): the ``n = k h`` chunks of ``full`` are reordered so that
     the inner exchange sends each rank the chunks of the ranks sharing its position; their fp32 sums are
@@ -245,16 +251,17 @@ def start_reduce_scatter_hierarchical(full: Tensor, inner: Optional[C.ProcessGro
     the sum (divided by ``divisor`` at the outer level, and written by ``into`` as :func:`start_reduce_scatter`
     writes it), as :func:`start_reduce_scatter` over all ``n`` would give. The outer level starts in
     ``advance`` or ``wait`` (it needs the inner sums): callers advance and wait in the same order on
-    every rank."""
+    every rank. ``seeds``: each level's codes rounded stochastically from its own seed (inner, outer)."""
     h, k = C.world_size(inner), C.world_size(outer)
     flat = full.reshape(-1)
     if flat.numel() % (h * k):
         raise ValueError(f"{flat.numel()} elements do not split into {h * k} equal chunks")
     m = flat.numel() // (h * k)
     # part l: the chunks of every node's rank l (flat.view(k, h, m).transpose(0, 1)), read in place on CUDA
-    first = start_reduce_scatter(flat, inner, bits, block, interleave=k)
+    inner_seed, outer_seed = seeds if seeds is not None else (None, None)
+    first = start_reduce_scatter(flat, inner, bits, block, interleave=k, seed=inner_seed)
     return TwoLevelWork(first, outer, bits, block, (first.nbytes, (k - 1) * quantized_nbytes(m, bits, block)),
-                        divisor, into)
+                        divisor, into, outer_seed)
 
 
 def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
@@ -266,10 +273,12 @@ def all_gather(shard: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, bl
     return out, work.nbytes
 
 
-def reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048) -> tuple[Tensor, int]:
+def reduce_scatter(full: Tensor, group: Optional[C.ProcessGroup], bits: int = 8, block: int = 2048,
+                   seed: Optional[int] = None) -> tuple[Tensor, int]:
     """This rank's chunk of the sum over ranks of ``full`` (flat, ``numel`` divisible by the group size),
-    summed in fp32 from quantized contributions; returns it in ``full``'s dtype and the bytes sent."""
-    work = start_reduce_scatter(full, group, bits, block)
+    summed in fp32 from quantized contributions (rounded stochastically from ``seed`` if given); returns it
+    in ``full``'s dtype and the bytes sent."""
+    work = start_reduce_scatter(full, group, bits, block, seed=seed)
     work.wait()
     return work.result.to(full.dtype), work.nbytes  # type: ignore[union-attr]
 

@@ -10,6 +10,19 @@ scale per block bounds the error by the block's own magnitude, not the tensor's 
 blocks of 2048 for weights and gradients). int4 codes are stored two per byte, low nibble first, as
 two's-complement nibbles; the wire size per element is then 1 byte (int8) or half a byte (int4), plus
 4 bytes per block for the scale: at ``block = 2048``, 0.502x and 0.252x of bf16.
+
+[Note: stochastic rounding of codes]
+Rounding to nearest is biased where it matters for gradients: int4 keeps 15 levels per block, so every
+element below half a step (``max|block| / 14``) becomes exactly 0, and Adam, which moves each weight by about
+``lr`` whatever its gradient's size, then does not move those weights at all. On 2-4 H200s int4 qgZ ran
+4-6% below zero3's gradient norm at every step, always on the same side (benchmarks/RESULTS.md, 2026-11-29
+21:22). With a ``seed``, :func:`quantize` rounds stochastically instead: ``floor(x / s + u)``, ``u`` uniform
+in ``[0, 1)``, so a code is ``floor`` or ``ceil`` of ``x / s`` with the probabilities that make its
+expectation ``x / s`` (unbiased; the error per element is below one step instead of half a step). ``u`` is
+not drawn from torch's generator but computed from ``(seed, element index)`` by a 32-bit integer hash
+(:func:`uniform_from_hash`): the fused kernel (triton_blocks.py) computes the same bits, so its codes equal
+these bit for bit, and a run draws the same values whatever the device or the launch order. The index is
+the element's position in the block-padded rows (``row * nb * block + column``).
 """
 
 from __future__ import annotations
@@ -56,8 +69,64 @@ def _unpack_int4(packed: Tensor) -> Tensor:
     return torch.where(both > 7, both - 16, both).to(torch.int8)  # two's-complement nibbles
 
 
-def quantize(x: Tensor, bits: int = 8, block: int = 2048) -> QuantizedBlocks:
-    """``x`` (any float dtype and shape) quantized per block (see [Note: block quantization])."""
+_M32 = 0xFFFFFFFF
+SEED_LIMIT = 1 << 31
+"""Seeds are in ``[0, 2**31)``: a kernel argument Triton types as a signed 32-bit integer."""
+HASH_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
+"""lowbias32's two multipliers (Chris Wellons' hash prospector): ``x ^= x >> 16; x *= a; x ^= x >> 15;
+x *= b; x ^= x >> 16``, all modulo 2**32."""
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in ``[0, 2**32)``, with every intermediate below 2**49 (an int64
+    product of two 32-bit values may pass 2**63): ``c``'s low and high 16 bits multiplied apart."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * HASH_MULTIPLIERS[0]) & _M32
+    x ^= x >> 15
+    x = (x * HASH_MULTIPLIERS[1]) & _M32
+    return x ^ (x >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """The 31-bit key a seed's draws xor into every index: the seed hashed first, so that nearby seeds
+    (0, 1, 2, ...) do not xor small numbers into the indices, which would hand every element of an aligned
+    run the same set of hash inputs over consecutive seeds (draws correlated across steps)."""
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"a stochastic rounding seed must be in [0, 2**31), got {seed}")
+    return _lowbias32(seed) & (SEED_LIMIT - 1)
+
+
+def uniform_from_hash(seed: int, index: Tensor) -> Tensor:
+    """fp32 values in ``[0, 1)`` on a grid of ``2**-24``, one per int64 ``index``, from a 32-bit hash of
+    ``(index mod 2**32) ^ seed_key(seed)`` ([Note: stochastic rounding of codes]; the fused kernel's
+    ``_uniform``, given the key)."""
+    x = (index & _M32) ^ seed_key(seed)
+    x = x ^ (x >> 16)
+    x = _mul32(x, HASH_MULTIPLIERS[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, HASH_MULTIPLIERS[1])
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) * (2.0**-24)
+
+
+def round_codes(y: Tensor, seed: int | None) -> Tensor:
+    """``y`` (fp32 ``x / scale``, any shape, contiguous) rounded in place to integers: half to even, or with a
+    ``seed`` stochastically, ``floor(y + u)`` ([Note: stochastic rounding of codes])."""
+    if seed is None:
+        return y.round_()
+    index = torch.arange(y.numel(), device=y.device).view(y.shape)
+    return y.add_(uniform_from_hash(seed, index)).floor_()
+
+
+def quantize(x: Tensor, bits: int = 8, block: int = 2048, seed: int | None = None) -> QuantizedBlocks:
+    """``x`` (any float dtype and shape) quantized per block (see [Note: block quantization]), its codes
+    rounded stochastically from ``seed`` if given ([Note: stochastic rounding of codes])."""
     if bits not in Q_MAX:
         raise ValueError(f"bits must be one of {sorted(Q_MAX)}, got {bits}")
     if block < 2 or block % 2:
@@ -75,7 +144,7 @@ def quantize(x: Tensor, bits: int = 8, block: int = 2048) -> QuantizedBlocks:
     # fp32 first), then rounding and clamping in place: stage 3 quantizes every gathered unit and gradient.
     scales = torch.linalg.vector_norm(blocks, ord=math.inf, dim=1, dtype=torch.float32) / q_max
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = (blocks / safe[:, None]).round_().clamp_(-q_max, q_max).to(torch.int8).view(-1)
+    q = round_codes(blocks / safe[:, None], seed).clamp_(-q_max, q_max).to(torch.int8).view(-1)
     codes = _pack_int4(q) if bits == 4 else q
     return QuantizedBlocks(codes, scales, bits, block, x.shape, x.dtype)
 

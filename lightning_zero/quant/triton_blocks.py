@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero.optim.triton_adam import tl, triton, triton_available
+from lightning_zero.quant.blocks import seed_key
 
 _MAX_BLOCK = 1 << 16
 """Largest quantization block one program holds in registers; larger blocks take the eager path."""
@@ -71,6 +72,32 @@ if triton is not None:
         return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
     @triton.jit
+    def _mul32(x, c: tl.constexpr):
+        """blocks.py's ``_mul32``: ``x * c mod 2**32`` in int64 with every intermediate below 2**49."""
+        lo = x * (c & 0xFFFF)
+        hi = ((x * (c >> 16)) & 0xFFFF) << 16
+        return (lo + hi) & tl.full((), 0xFFFFFFFF, tl.int64)
+
+    @triton.jit
+    def _uniform(index, key):
+        """blocks.py's ``uniform_from_hash`` given the seed's key (``seed_key``), the same int64 operations:
+        ``[0, 1)`` on a ``2**-24`` grid."""
+        x = (index & tl.full((), 0xFFFFFFFF, tl.int64)) ^ key
+        x = x ^ (x >> 16)
+        x = _mul32(x, 0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = _mul32(x, 0x846CA68B)
+        x = x ^ (x >> 16)
+        return (x >> 8).to(tl.float32) * (2.0**-24)
+
+    @triton.jit
+    def _round(y, index, key, STOCHASTIC: tl.constexpr):
+        """Half to even, or ``floor(y + u)`` (blocks.py ``round_codes``: [Note: stochastic rounding of codes])."""
+        if STOCHASTIC:
+            return tl.floor(y + _uniform(index, key))
+        return _rint(y)
+
+    @triton.jit
     def _source(row, offs, numel, seg, seg_stride, INTERLEAVED: tl.constexpr):
         """Where element ``offs`` of packed row ``row`` is read: ``row * numel + offs``, or, interleaved,
         in segment ``offs // seg`` of that row, ``seg_stride`` elements apart ([Note: no arranged copy])."""
@@ -78,11 +105,14 @@ if triton is not None:
             return row * seg + (offs // seg) * seg_stride + offs % seg
         return row * numel + offs
 
-    @triton.jit
-    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, seg, seg_stride, Q_MAX: tl.constexpr,
-                         BITS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
+    @triton.jit(do_not_specialize=["key"])
+    def _quantize_kernel(x_ptr, out_ptr, numel, row_bytes, nb, seg, seg_stride, key, Q_MAX: tl.constexpr,
+                         BITS: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+                         STOCHASTIC: tl.constexpr):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1).to(tl.int64)
+        key64 = key.to(tl.int64)
+        padded_row = row * nb * BLOCK  # the hash's index: the element's place in the block-padded rows
         out_row = out_ptr + row * row_bytes
         start = b * BLOCK
         if BITS == 8:
@@ -111,13 +141,13 @@ if triton is not None:
         tl.store(out_row + b * 4 + k, ((sbits >> (8 * k)) & 0xFF).to(tl.uint8))
         codes = out_row + nb * 4
         if BITS == 8:
-            q = _rint(tl.math.div_rn(x, safe))
+            q = _round(tl.math.div_rn(x, safe), padded_row + offs, key64, STOCHASTIC)
             q = tl.minimum(tl.maximum(q, -Q_MAX), Q_MAX)
             q = tl.where(q == q, q, 0.0).to(tl.int32)
             tl.store(codes + offs, (q & 0xFF).to(tl.uint8), mask=mask)
         else:
-            ql = _rint(tl.math.div_rn(lo, safe))
-            qh = _rint(tl.math.div_rn(hi, safe))
+            ql = _round(tl.math.div_rn(lo, safe), padded_row + offs, key64, STOCHASTIC)
+            qh = _round(tl.math.div_rn(hi, safe), padded_row + offs + 1, key64, STOCHASTIC)
             ql = tl.where(ql == ql, tl.minimum(tl.maximum(ql, -Q_MAX), Q_MAX), 0.0).to(tl.int32)
             qh = tl.where(qh == qh, tl.minimum(tl.maximum(qh, -Q_MAX), Q_MAX), 0.0).to(tl.int32)
             byte = (ql & 0xF) | ((qh & 0xF) << 4)
@@ -207,12 +237,13 @@ def _check(bits: int, block: int) -> None:
 
 
 def quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = None,
-                  interleave: int = 1) -> Tensor:
+                  interleave: int = 1, seed: Optional[int] = None) -> Tensor:
     """comm/quantized.py's ``_quantize_rows`` in one kernel: each row of ``rows`` ([n, numel], any float
     dtype) as one packed wire row (fp32 scales, then the codes of its real elements); flat uint8, written
     into ``out`` if given (contiguous uint8 of that size: qwZ's own slot of the gathered bytes). With
     ``interleave = k``, the rows quantized are those of ``rows.reshape(k, n, numel // k).transpose(0, 1)``
-    (read in place: [Note: no arranged copy])."""
+    (read in place: [Note: no arranged copy]). With ``seed``, codes rounded stochastically (blocks.py
+    [Note: stochastic rounding of codes])."""
     _check(bits, block)
     rows = rows.detach()
     if rows.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -231,8 +262,9 @@ def quantize_rows(rows: Tensor, bits: int, block: int, out: Optional[Tensor] = N
     else:
         packed = out.view(-1)
     if n and numel:
-        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, seg, n * seg, Q_MAX=127 if bits == 8 else 7,
-                                  BITS=bits, BLOCK=block, INTERLEAVED=interleave > 1, num_warps=_warps(block),
+        key = 0 if seed is None else seed_key(seed)
+        _quantize_kernel[(n, nb)](rows, packed, numel, row_bytes, nb, seg, n * seg, key, Q_MAX=127 if bits == 8 else 7, BITS=bits, BLOCK=block, INTERLEAVED=interleave > 1,
+                                  STOCHASTIC=seed is not None, num_warps=_warps(block),
                                   enable_fp_fusion=False)  # fmt: skip
     return packed
 

@@ -64,6 +64,15 @@ class HpzGroups:
     """One rank per node, of equal position: the second level."""
 
 
+def rounding_seed(reduction: int, rank: int, level: int) -> int:
+    """Stochastic rounding's seed (quant/blocks.py [Note: stochastic rounding of codes]): the three counts
+    mixed by odd multipliers (golden-ratio and murmur3 constants) and a final xor-shift, 31 bits kept."""
+    x = (reduction * 0x9E3779B1 + rank * 0x85EBCA77 + level * 0xC2B2AE3D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return (x ^ (x >> 12)) & 0x7FFFFFFF
+
+
 class ZeroPP:
     """The ZeRO++ collectives and hpZ copies of one stage-3 engine (see [Note: ZeRO++ in stage 3]); with every
     switch off it issues stage 3's exact collectives and only counts their bytes."""
@@ -72,6 +81,9 @@ class ZeroPP:
         self.weight_bits: Optional[int] = BITS.get(cfg.quantized_weights) if cfg.quantized_weights else None
         self.grad_bits: Optional[int] = BITS.get(cfg.quantized_gradients) if cfg.quantized_gradients else None
         self.block = cfg.quant_block_size
+        self.stochastic = cfg.gradient_rounding == "stochastic"
+        self._reductions = 0
+        """Quantized reductions launched by this engine: with the rank, what seeds each one's rounding."""
         self.hpz = hpz
         self.traffic = traffic
         self._secondary: dict[BucketKey, Tensor] = {}
@@ -139,18 +151,25 @@ class ZeroPP:
         ``result`` (fp32, this rank's chunk of the sum divided by ``divisor``: on CUDA in the same kernel)
         once waited, written (or added) by the last level into the destination ``into`` gives, if given."""
         assert self.grad_bits is not None
+        self._reductions += 1
+        seeds = (self._seed(0), self._seed(1)) if self.stochastic else (None, None)
         if self.hpz is not None:
             for earlier in self._two_level:  # their cross-node level overlaps the rest of backward
                 earlier.advance()
             work = Q.start_reduce_scatter_hierarchical(bucket, self.hpz.grad_group, self.hpz.cross_group,
-                                                       self.grad_bits, self.block, divisor, into)
+                                                       self.grad_bits, self.block, divisor, into, seeds)
             self._two_level = [work]
             self.traffic.add("grad_reduce_node", work.levels[0])
             self.traffic.add("grad_reduce_cross", work.levels[1])
             return work
-        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block, divisor, into)
+        work = Q.start_reduce_scatter(bucket, group, self.grad_bits, self.block, divisor, into, seed=seeds[0])
         self.traffic.add("grad_reduce", work.nbytes)
         return work
+
+    def _seed(self, level: int) -> int:
+        """A seed in ``[0, 2**31)`` for this reduction, rank and hierarchy level: ranks and levels draw
+        independent roundings, so their errors average out in the sum instead of lining up."""
+        return rounding_seed(self._reductions, C.rank(), level)
 
     def count_exact_reduce(self, chunk_numel: int, element_size: int, n: int) -> None:
         self.traffic.add("grad_reduce", ring_bytes(chunk_numel, element_size, n))
@@ -159,7 +178,8 @@ class ZeroPP:
         """One line for the logs: what each switch does in this run."""
         parts = [f"weights all-gathered in int{self.weight_bits} blocks of {self.block}" if self.weight_bits
                  else "weights all-gathered exactly",
-                 f"gradients reduce-scattered in int{self.grad_bits} blocks of {self.block}, summed in fp32"
+                 f"gradients reduce-scattered in int{self.grad_bits} blocks of {self.block}"
+                 f"{', rounded stochastically' if self.stochastic else ''}, summed in fp32"
                  if self.grad_bits else "gradients reduce-scattered exactly"]
         if self.hpz is not None:
             parts.append(f"hpZ: backward re-gathers within groups of {C.world_size(self.hpz.param_group)} ranks")

@@ -7,7 +7,8 @@ multiply by a rounded reciprocal, which can differ by one ulp); everything must 
 bytes (scales and codes, int8 and int4, exact ties ``k + 1/2`` rounding to even included), the dequantized
 rows written in the destination's dtype, and qgZ's fp32 dequantize-and-sum over ``n = 1..4`` rows (and its
 division by the data-parallel size), also written into, then added to, a chunk of an fp32 gradient shard;
-rows quantized into a slot of a larger buffer (qwZ), and read in hpZ's interleaved order in place. Without a GPU, when Triton is installed, the same comparison runs in
+rows quantized into a slot of a larger buffer (qwZ), and read in hpZ's interleaved order in place; codes rounded
+stochastically from a seed (qgZ's ``gradient_rounding="stochastic"``), plain and interleaved. Without a GPU, when Triton is installed, the same comparison runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), where everything is compared bit for bit but
 the dequantized rows are written in fp32 only: the interpreter's fp32 to bf16 conversion neither rounds to
 nearest even nor carries a rounded-up mantissa into the exponent (CUDA's does both), so only the GPU test
@@ -76,6 +77,16 @@ def compare(device: str, exact_16bit_out: bool) -> list[str]:
             if not torch.equal(fused.quantize_rows(x.to(device), bits, block, interleave=3).cpu(),
                                _quantize_rows_eager(arranged, bits, block)):
                 bad.append(f"{where}: quantizing the interleaved rows in place differs")
+        if case != "special":  # stochastic rounding (qgZ): the kernel's hash draws the reference's bits
+            seed = numel * 1_000_003 + n
+            arranged = x.reshape(3, n, numel // 3).transpose(0, 1).reshape(n, numel) if numel % 3 == 0 else None
+            if not torch.equal(fused.quantize_rows(x.to(device), bits, block, seed=seed).cpu(),
+                               _quantize_rows_eager(x, bits, block, seed=seed)):
+                bad.append(f"{where}: stochastically rounded bytes differ")
+            elif arranged is not None and not torch.equal(
+                    fused.quantize_rows(x.to(device), bits, block, interleave=3, seed=seed).cpu(),
+                    _quantize_rows_eager(arranged, bits, block, seed=seed)):
+                bad.append(f"{where}: stochastically rounded interleaved bytes differ")
         if n == 1:  # qwZ quantizes into its own slot of the gathered bytes: the same bytes, nothing else touched
             every = torch.full((3 * got.numel(),), 0xA5, dtype=torch.uint8, device=device)
             fused.quantize_rows(x.to(device), bits, block, out=every[got.numel() : 2 * got.numel()])

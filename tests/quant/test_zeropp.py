@@ -32,6 +32,7 @@ from tests.helpers.harness import run_scenario
 TWO = {  # qwZ, qgZ and both (the bytes claim), on both models
     "gpt_zero3": "gpt", "gpt_qw": "gpt:qw=int8", "gpt_qg": "gpt:qg=int8", "gpt_both": "gpt:qw=int8,qg=int4",
     "llama_zero3": "llama", "llama_qw": "llama:qw=int8", "llama_both": "llama:qw=int8,qg=int4",
+    "gpt_qgsr": "gpt:qg=int4,round=stochastic", "llama_qgsr": "llama:qg=int4,round=stochastic",
     "gpt_qg_acc": "gpt:qg=int4,accum=2,steps=2", "gpt_qg_acc_twostep": "gpt:qg=int4,accum=2,steps=2,twostep=1",
 }
 FOUR = {  # two nodes of two ranks: hpZ alone, and all three (qgZ in two levels); the GPT in bf16 too (bytes)
@@ -39,6 +40,7 @@ FOUR = {  # two nodes of two ranks: hpZ alone, and all three (qgZ in two levels)
     "llama_zero3": "llama", "llama_hpz": "llama:hpz=2", "llama_all": "llama:qw=int8,qg=int8,hpz=2",
     "gpt_zero3_bf16": "gpt:precision=bf16-mixed",
     "gpt_both_bf16": "gpt:qw=int8,qg=int4,precision=bf16-mixed", "gpt_all_bf16": "gpt:qw=int8,qg=int4,hpz=2,precision=bf16-mixed",
+    "gpt_allsr": "gpt:qw=int8,qg=int4,hpz=2,round=stochastic",
     "gpt_all_acc": "gpt:qw=int8,qg=int8,hpz=2,accum=2,steps=2",
     "gpt_all_acc_twostep": "gpt:qw=int8,qg=int8,hpz=2,accum=2,steps=2,twostep=1",
 }
@@ -203,3 +205,9 @@ def test_a_non_finite_gradient_stays_non_finite_through_qgz(bits: int, bad: floa
     for work in (flat, two):
         assert not torch.isfinite(torch.linalg.vector_norm(work.result))
         assert torch.isfinite(work.result[256:]).all()  # other blocks are untouched
+
+
+def test_stochastic_rounding_changes_the_run(four: dict[str, dict]) -> None:
+    """``gradient_rounding="stochastic"`` reaches both levels of the two-level qgZ: the run departs from the
+    same switches rounding to nearest (both stay within the bound above)."""
+    assert not _identical(four["gpt_allsr"], four["gpt_all"])

@@ -3,7 +3,7 @@ example GPT and an HF Llama from a tiny config, trained by a Fabric loop in fp32
 
 ``runs``: ``{NAME: "MODEL[:key=value,...]"}`` with MODEL ``gpt`` (activation checkpointing on, so a unit's
 forward is recomputed inside backward) or ``llama``; keys ``qw`` (quantized_weights), ``qg``
-(quantized_gradients), ``hpz`` (hpz_partition_size), ``block`` (quant_block_size, default 256: the tiny units'
+(quantized_gradients), ``round`` (gradient_rounding), ``hpz`` (hpz_partition_size), ``block`` (quant_block_size, default 256: the tiny units'
 chunks are smaller than DeepSpeed's 2048), ``steps`` (default 4), ``precision`` (default ``32-true``), ``accum``
 (micro-batches per step, default 1: each rank's rows split in that many backwards), ``twostep`` (1: qgZ's sum
 returned, then copied or added into the gradient shard by the engine, the path before comm/quantized.py
@@ -99,7 +99,7 @@ def run(name: str, spec: str) -> dict[str, Any]:
     strategy = lightning_zero.ZeroFabricStrategy(
         stage=3, param_persistence_threshold=0, bucket_size_mb=0.002, quantized_weights=opts.get("qw", False),
         quantized_gradients=opts.get("qg", False), hpz_partition_size=int(opts.get("hpz", 1)),
-        quant_block_size=int(opts.get("block", 256)))
+        quant_block_size=int(opts.get("block", 256)), gradient_rounding=opts.get("round", "nearest"))
     fabric = Fabric(accelerator=worker_accelerator(), devices=world, strategy=strategy, precision=opts.get("precision", "32-true"))
     fabric.launch()
     pl.seed_everything(0)
