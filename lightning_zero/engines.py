@@ -34,6 +34,7 @@ from lightning_zero.zero.buffers import BufferSync
 from lightning_zero.zero.compile import CompilePlan
 from lightning_zero.zero.engine import ZeroEngine
 from lightning_zero.zero.read_watch import ReadWatch, explain_released_read
+from lightning_zero.zero.rebind import rebind_groups
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +241,7 @@ class Engines:
         self._steps_seen[id(engine)] = step + 1
         scale_can_drop = scaler is not None and scaler.scale > scaler.config.min_scale
         # fp16 overflows the scale can still absorb are the scaler's: no search for the culprit
+        rebind_groups(engine.groups, engine.param_names)  # zero/rebind.py [Note: replaced parameter storage]
         stepped = engine.step(clip, scaler, check_finite=policy != "ignore" and not scale_can_drop, clip_value=clip_value)
         if stepped:
             self._nonfinite_in_a_row = 0

@@ -21,6 +21,7 @@ from lightning_zero.offload.engine import OffloadMixin
 from lightning_zero.offload.param_writes import ShardPrints
 from lightning_zero.offload.params import stage_to_device
 from lightning_zero.zero.engine import _Pending
+from lightning_zero.zero.rebind import rebind_groups
 
 
 class FlatOffloadMixin(OffloadMixin):
@@ -70,6 +71,7 @@ class FlatOffloadMixin(OffloadMixin):
     def _reduce_scatter_into_shard(self, gi: int, bi: int, bucket: Tensor, after: Optional[Any] = None) -> _Pending:
         if self.step_in_backward and not self._writes_taken:  # before the step during backward starts (eager.py)
             self._writes_taken = True
+            rebind_groups(self.groups, self.param_names)  # zero/rebind.py [Note: replaced parameter storage]
             self.adopt_param_writes()
         return super()._reduce_scatter_into_shard(gi, bi, bucket, after)
 

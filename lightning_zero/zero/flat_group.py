@@ -19,6 +19,7 @@ from torch.nn import Parameter
 from lightning_zero.parallel.dtensor import grad_like, local_tensor, point_local
 from lightning_zero.zero.merge_writes import merge_param_writes
 from lightning_zero.zero.partition import FlatLayout
+from lightning_zero.zero.rebind import is_replaced, rebind
 
 BufferFactory = Callable[[int, torch.dtype], Tensor]
 """Allocates a zeroed 1-D buffer of ``numel`` elements (offload passes pinned host memory)."""
@@ -39,6 +40,10 @@ class ShardViews:
     """dtype of ``grad_shard``; None: the master's (16-bit device states keep fp32 gradients: zero/states16.py)."""
     _grad_written: set[int]
     """Buckets reduced into ``grad_shard`` since it was dropped (:meth:`add_to_grad_shard`)."""
+
+    def rebind_params(self, names: dict[int, str], training: bool = True) -> None:
+        """Stages 0-2: :meth:`FlatParamGroup.rebind_params`; stage 3 refuses replaced storage at the release
+        (rebind.py [Note: replaced parameter storage])."""
 
     def adopt_param_writes(self, comp: Optional[Tensor] = None) -> None:
         """Stage 3 keeps no full copy between steps: a unit changed in place is refused (inplace_guard.py
@@ -130,6 +135,8 @@ class FlatParamGroup(ShardViews):
             view = self.flat_param[slot.offset : slot.offset + slot.numel].view(p.shape)
             view.copy_(p.detach())
             point_local(params[slot.index], view)  # a DTensor takes the compute dtype too
+        self._shapes = [local_tensor(params[slot.index]).shape for slot in layout.slots]
+        """Each slot's parameter shape at setup (:meth:`rebind_params`)."""
         self.flat_grad: Optional[Tensor] = None
         """Full gradient buffer (stages 0 and 1); parameters' ``.grad`` are views into it."""
         self.grad_shard: Optional[Tensor] = None
@@ -142,6 +149,23 @@ class FlatParamGroup(ShardViews):
     def bucket_view(self, buffer: Tensor, bucket_index: int) -> Tensor:
         b = self.layout.buckets[bucket_index]
         return buffer[b.start : b.end]
+
+    def rebind_params(self, names: dict[int, str], training: bool = True) -> None:
+        """Parameters whose ``.data`` was replaced become views of ``flat_param`` again, with the values they
+        were given (rebind.py [Note: replaced parameter storage]); :meth:`adopt_param_writes` then takes them.
+        ``training=False`` (a state dict read, maybe after fit): only storage on ``flat_param``'s device and in
+        its dtype, as training code gives; a module handed back after fit (moved to the CPU, or given its fp32
+        masters: after_fit.py) is left as it is."""
+        flat = self.flat_param
+        base, size = flat.data_ptr(), flat.element_size()
+        for i, slot in enumerate(self.layout.slots):
+            p = self.params[slot.index]
+            if slot.numel and is_replaced(p, base + slot.offset * size):
+                local = local_tensor(p)
+                if not training and (local.device != flat.device or local.dtype != flat.dtype):
+                    continue
+                rebind(p, self.flat_param[slot.offset : slot.offset + slot.numel], self._shapes[i],
+                       names.get(id(p), f"parameter {slot.index}"))
 
     def adopt_param_writes(self, comp: Optional[Tensor] = None) -> None:
         """[Note: writes outside the optimizer] The model's parameters are views of ``flat_param``; the

@@ -138,6 +138,7 @@ class ReadWatch(TorchFunctionMode):
                 self._refuse_after_step(p, fname)
                 hit = self.owner.get(id(p))
                 if hit is None:
+                    self._refuse_released_root(p)
                     continue
                 engine, unit = hit
                 name = engine.param_names.get(id(p), "a parameter")
@@ -151,7 +152,23 @@ class ReadWatch(TorchFunctionMode):
                 log.info("lightning_zero: ZeRO-3 keeps unit %s gathered for whole steps: its parameter %s is read "
                          "outside its forward", unit.name, name)
                 engine.make_resident(unit)
+            if fname == "data" and getattr(func, "__name__", "") == "__get__" and len(found) == 1:
+                result = func(*args, **kwargs)
+                hit = self.any_unit.get(id(found[0]))
+                if hit is not None and hit[0].is_gathered(hit[1]):  # inplace_guard.py: a write through the alias
+                    hit[0].watch_alias(hit[1], found[0], result)
+                return result
         return func(*args, **kwargs)
+
+    def _refuse_released_root(self, p: Parameter) -> None:
+        """Outside a step method, before the first step (``on_train_batch_start`` of the first batch) the root
+        unit is released too: a read there met empty storage (``w.data`` then ``F.normalize``: a segmentation
+        fault on the CPU). Refused as a read of any other released unit is."""
+        hit = self.any_unit.get(id(p))
+        if self.gathering or hit is None or hit[1].persistent or hit[0].is_gathered(hit[1]):
+            return
+        name = hit[0].param_names.get(id(p), "a parameter")
+        raise ReleasedParameterRead(_message(f"parameter {name!r} (unit {hit[1].name})", _caller()))
 
 
     def _refuse_after_step(self, p: Parameter, fname: str) -> None:

@@ -28,6 +28,7 @@ from torch.nn import Parameter
 
 from lightning_zero.parallel.dtensor import local_tensor, point_local
 from lightning_zero.zero.flat_group import BufferFactory, ShardViews
+from lightning_zero.zero.rebind import is_replaced, rebind
 from lightning_zero.zero.partition import FlatLayout
 
 
@@ -82,6 +83,8 @@ class ShardedParamGroup(ShardViews):
             self.full.append(buf)
         self.grad_shard: Optional[Tensor] = None
         self._grad_written: set[int] = set()
+        self._shapes: dict[int, torch.Size] = {}
+        """Slot index -> its parameter's shape when :meth:`adopt` made it a view (:meth:`rebind_bucket`)."""
 
     def adopt(self, bucket_index: int) -> None:
         """Take the current (full) values of the bucket's parameters into the shards, then make every
@@ -104,8 +107,23 @@ class ShardedParamGroup(ShardViews):
         for si in b.slots:
             slot = self.layout.slots[si]
             p = local_tensor(self.params[slot.index])
+            self._shapes[si] = p.shape
             point_local(self.params[slot.index], buf[slot.offset - b.start : slot.offset - b.start + slot.numel].view(p.shape))
         self.free(bucket_index)
+
+    def rebind_bucket(self, bucket_index: int, names: dict[int, str]) -> None:
+        """Inside ``gathered_params(writeback=True)``, the bucket gathered: a parameter given new storage there
+        (``p.data = ...``) has its values copied into its view of the full buffer and becomes that view again, so
+        the write-back takes them (rebind.py [Note: replaced parameter storage])."""
+        b = self.layout.buckets[bucket_index]
+        buf = self.full[bucket_index]
+        base, size = buf.data_ptr() - b.start * buf.element_size(), buf.element_size()
+        for si in b.slots:
+            slot = self.layout.slots[si]
+            p = self.params[slot.index]
+            if slot.numel and si in self._shapes and is_replaced(p, base + slot.offset * size):
+                rebind(p, buf[slot.offset - b.start : slot.offset - b.start + slot.numel], self._shapes[si],
+                       names.get(id(p), f"parameter {slot.index}"))
 
     def gather_source(self, bucket_index: int) -> Tensor:
         """This rank's chunk of the bucket, in the compute dtype (what the all-gather sends)."""

@@ -447,6 +447,10 @@ class Stage3Engine(Stage2Engine):
     def is_gathered(self, unit: Unit) -> bool:
         return unit.index in self._gathered
 
+    def watch_alias(self, unit: Unit, param: Parameter, alias: Tensor) -> None:
+        """``alias = param.data`` was taken (read_watch.py): a write through it is refused at the release."""
+        self._inplace.alias(unit, param, alias)
+
     def make_resident(self, unit: Unit) -> None:
         """A parameter of ``unit`` is read outside its forward (read_watch.py): gather it now (collective,
         at the same point of the program on every rank) and from now on for whole steps."""
@@ -497,6 +501,9 @@ class Stage3Engine(Stage2Engine):
         try:
             yield
         finally:
+            for u in units if writeback else []:  # rebind.py [Note: replaced parameter storage]; re-pointing the
+                for gi, bi in u.buckets:  # parameters is a use read_watch.py refuses after the step, hence first
+                    self.all_groups[gi].rebind_bucket(bi, self.param_names)
             self.released_by_step = after_step
             for u in units:
                 if writeback:

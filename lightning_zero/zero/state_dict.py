@@ -91,6 +91,8 @@ def adopt_param_writes(engine: ZeroEngine) -> None:
     """Before the masters are read for a checkpoint or an export: parameter changes made since the last
     step (flat_group.py [Note: writes outside the optimizer]), as the engine's own step takes them
     (16-bit device states too; offload: offload/param_writes.py)."""
+    for fg in engine.groups:  # rebind.py [Note: replaced parameter storage]
+        fg.rebind_params(engine.param_names, training=False)
     offloaded = getattr(engine, "adopt_param_writes", None)  # the offload engines' (offload/engine.py)
     if offloaded is not None:
         offloaded()

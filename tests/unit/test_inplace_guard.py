@@ -63,3 +63,43 @@ def test_clear_forgets_every_record() -> None:
         p.add_(1.0)
     guard.clear()
     guard.before_gather(unit)
+
+
+def test_new_storage_while_gathered_is_refused_at_the_release() -> None:
+    """``w.data = F.normalize(w.data)`` left the parameter on the user's tensor for good while the optimizer
+    stepped the partitions: 0.17 apart from ddp in 6 steps, silently (rebind.py [Note: replaced parameter
+    storage])."""
+    unit, p, guard = _unit()
+    guard.gathered(unit)
+    p.data = p.data * 2.0
+    with pytest.raises(RuntimeError, match=r"'blocks.0.w' was given new storage \(`p.data = ...`\).*gathered_params"):
+        guard.before_release(unit)
+
+
+def test_new_storage_while_released_is_refused_at_the_next_gather() -> None:
+    unit, p, guard = _unit()
+    guard.released(unit)
+    p.data = torch.zeros(4)
+    with pytest.raises(RuntimeError, match=r"'blocks.0.w' was given new storage .* while its unit was released"):
+        guard.before_gather(unit)
+
+
+def test_a_write_through_a_data_alias_is_refused_at_the_release() -> None:
+    """``w.data.copy_(...)`` in a unit's forward: the alias has a version counter of its own, so the read watch
+    hands it over (read_watch.py); a read through one (``w.data.norm()``) passes."""
+    unit, p, guard = _unit()
+    guard.gathered(unit)
+    read, written = p.data, p.data
+    guard.alias(unit, p, read)
+    guard.alias(unit, p, written)
+    read.norm()
+    written.copy_(torch.full((4,), 0.5))
+    with pytest.raises(RuntimeError, match=r"'blocks.0.w' was modified in place through `.data`.*gathered_params"):
+        guard.before_release(unit)
+    unit2, p2, guard2 = _unit()
+    guard2.gathered(unit2)
+    alias = p2.data
+    guard2.alias(unit2, p2, alias)
+    guard2.gathered(unit2)  # gathered_params(writeback=True) took the change: recorded again
+    alias.add_(1.0)
+    guard2.before_release(unit2)

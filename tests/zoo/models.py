@@ -17,7 +17,7 @@ Shared contract (read by ``tests/zoo/scenarios.py``):
 One file per family: base.py (ZooModule and the synthetic data sets), nanogpt.py, hf.py (GPT-2, Llama + LoRA, T5, BERT;
 GPT-2 and Llama + LoRA also with HF's gradient_checkpointing_enable(), peft's recipe), vit.py, resnet.py (and a
 channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
-parametrizations, weight clamping), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
+parametrizations, weight clamping), renorm.py (a weight renormalised by assigning ``.data``), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
 pairs); this file is the registry the scenarios build from.
 """
 
@@ -35,6 +35,7 @@ from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
 from tests.zoo.nanogpt import NanoGPT, nanogpt_dropout
+from tests.zoo.renorm import RenormedGatheredHead, RenormedHead
 from tests.zoo.resnet import ChannelsLastConvNet, TorchvisionResNet
 from tests.zoo.vit import TimmViT
 
@@ -59,6 +60,8 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "shared": SharedBlocks,
     "clamped": ClampedLM,
     "clamped_gathered": ClampedGatheredLM,
+    "renormed": RenormedHead,
+    "renormed_gathered": RenormedGatheredHead,
     "legacy_norms": LegacyNorms,
     "fno": FNO,
     "channels_last": ChannelsLastConvNet,
