@@ -27,7 +27,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|AQ2|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|AQ2|SR2|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -316,6 +316,19 @@ case "$CALL" in
       > "$OUT/held_gpt_1b.log" 2>&1; mark "held gpt_1b" $?
     timeout $(( $(left) - 5 )) $TR 2 benchmarks/zeropp_track.py --steps 4 --configs zero3,qg,qg_b256,qg8 \
       > "$OUT/track.log" 2>&1; mark track $?
+    ;;
+  SR2)  # 2 GPUs (2026-11-29, fifth session): #33's int4 qgZ bias (AQ2, 21:22: gradient norm 4-6% low at every step)
+        # against stochastic rounding of the codes (gradient_rounding="stochastic"): the kernel's gpu test, the
+        # per-step distance at F's size beside zero3 run twice, the cost of the hash in tokens/s (GPT-xl, NVLink);
+        # then #32 item 4: 1F1B and interleaved at pp 2, M = 8, with every block compiled, against compiled zero1
+    timeout 150 python3 -m pytest -q -m gpu tests/quant/test_triton_blocks.py tests/quant/test_stochastic_rounding.py \
+      -p no:cacheprovider > "$OUT/quant_tests.log" 2>&1; mark quant_tests $?
+    timeout 200 $TR 2 benchmarks/zeropp_track.py --steps 4 --configs zero3,zero3_again,qg,qg_sr,qg8 \
+      > "$OUT/track.log" 2>&1; mark track $?
+    timeout 100 $TR 2 benchmarks/zeropp.py --device cuda --model xl --steps 16 --variants zero3,qgZ,qgZ-sr \
+      > "$OUT/zeropp_speed.log" 2>&1; mark zeropp_speed $?
+    timeout $(( $(left) - 5 )) $TR 2 benchmarks/pipeline.py --compile --global-batch 32 --steps 8 --warmup 3 \
+      --configs zero1,pipe-M8-1f1b-pp2,pipe-M8-interleaved-pp2 > "$OUT/pipeline_compile.log" 2>&1; mark pipeline $?
     ;;
   MB2)  # 2 GPUs: #32 item 3 at EP 2 on a balanced routing (the learned one collapsed in X2), against dense
     for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
