@@ -27,7 +27,7 @@ set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lz_out}
-CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|AQ2|SR2|G2|MB2|S1|S2|AC|G1}
+CALL=${1:?usage: run_pending.sh A|B|C|D|D2|E|F|G|AD|FR|CR|Q|DEG|FG|T|T2|B2|X2|AS|AS4|AM4|AM2|MP2|MW2|AQ2|SR2|G2|G2B|MB2|S1|S2|AC|G1}
 BUDGET=${LZ_BUDGET_S:-570}
 START=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - START) )); }
@@ -335,6 +335,12 @@ case "$CALL" in
     python3 -m lightning_zero.ops build > "$OUT/ops.log" 2>&1; mark ops $?
     LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu tests -p no:cacheprovider \
       --durations=20 > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
+    ;;
+  G2B)  # 2 GPUs: G2's three failures with their tracebacks (its quiet log was cut by the limit: after-fit on CUDA,
+        # the two fp8 tests, carried without torchao then) and the gpu tests G2 did not reach
+    LIGHTNING_ZERO_TRITON_AUTOTUNE=0 timeout $(( $(left) - 10 )) python3 -m pytest -q -m gpu -rfEs --tb=short \
+      -p no:cacheprovider tests/distributed/test_after_fit.py tests/quant/test_fp8.py tests/states16/test_triton_bf16.py \
+      tests/zero/test_merge_writes.py > "$OUT/gpu_tests.log" 2>&1; mark gpu_tests $?
     ;;
   MB2)  # 2 GPUs: #32 item 3 at EP 2 on a balanced routing (the learned one collapsed in X2), against dense
     for c in "dense capacity learned" "moe capacity balanced" "moe sorted balanced"; do
