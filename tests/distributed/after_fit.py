@@ -76,7 +76,7 @@ def _resumed_frozen(spec: str, path: str, built: dict[str, torch.Tensor]) -> dic
     assert probe.masters is not None
     out = {"masters": sorted(k for k, v in built.items() if torch.equal(probe.masters[f"frozen.{k}"], v))}
     if probe.frozen_compute is not None:  # stages 0-2: the forward's copy is the exact value, cast
-        out["compute"] = torch.equal(probe.frozen_compute, built["weight"].to(probe.frozen_compute.dtype))
+        out["compute"] = torch.equal(probe.frozen_compute.cpu(), built["weight"].to(probe.frozen_compute.dtype))
     if not spec.startswith("zero3"):
         out["module"] = sorted(k for k, v in built.items() if torch.equal(model.frozen.state_dict()[k], v))
     return out
