@@ -4,8 +4,10 @@
 # Accelerate row): #31's figures are all in. Done 2026-11-29 00:00-00:20 on one GPU: S1, S2 (and zero3 against ddp
 # on the corpus, inline). Done 2026-11-29 13:43-14:08 on 4 GPUs: T (cut at its 200 s), C, B (cut before dense and the
 # pipeline sweep). Done 2026-11-29 17:09-17:47 on 2 GPUs: X2, AS (three times; the 8B rows of its last run were lost
-# to ENOSPC). Done 2026-11-29 20:16-21:26: AS4, T2 (x4); AM2, MP2, MW2, AQ2 (x2). Next, in this order: AM4 (x4: the
-# 8B in-loop saves after the chunked copies, the issue's own figure; MoE at EP 4 balanced), then B2's pipeline sweep.
+# to ENOSPC). Done 2026-11-29 20:16-21:26: AS4, T2 (x4); AM2, MP2, MW2, AQ2 (x2). Done 23:20-23:55: SR2, G2, G2B (x2).
+# Next, in this order: AM4 (x4: the 8B in-loop saves after the chunked copies, the issue's own figure; MoE at EP 4
+# balanced), then B2's pipeline sweep. torchao: `device_wheels.sh --peers` stops at DeepSpeed's failed wheel build
+# (2026-11-29), so `pip download --no-deps -d .whl torchao einops` by hand, or the fp8 gpu tests fail.
 #
 #   bash benchmarks/run_pending.sh CALL          # carry .whl (hydra, omegaconf, torchao, deepspeed and its needs, einops)
 #
