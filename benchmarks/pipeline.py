@@ -24,8 +24,18 @@ Reported per configuration (markdown table on rank 0, also appended to ``--resul
 tokens/s over the measured steps, the ratio to zero1, peak memory per GPU (max over ranks), and for
 pipelines the measured bubble (idle fraction of the average stage, lightning_zero/pipeline/timing.py)
 beside the theoretical (P-1)/(M+P-1); with ``--trace``, per stage, the profiled time split into compute,
-communication and neither (:func:`stage_time_split`). All configurations run in one process tree, one after another;
-memory statistics are reset and caches emptied between them.
+communication and neither (:func:`stage_time_split`), and the schedule's waits (next note). All configurations run in
+one process tree, one after another; memory statistics are reset and caches emptied between them.
+
+[Note: the schedule's waits]
+Every point-to-point exchange of the pipeline, and at the flush the tied weights' gradient all-reduce, runs as an
+NCCL kernel from its launch until the peer's matching operation delivers: its device time is the time that stage
+waits for the other (the transfer itself, a micro-batch's activation over NVLink, takes tens of microseconds).
+That wait is what ``(P - 1) / (M + P - 1)`` predicts. The stage timer's "bubble measured" (pipeline/timing.py)
+counts as idle everything outside the forward/backward actions: the gaps between kernels while the host launches,
+the optimizer step, clipping, the loss's all-reduce, zero-fills. On 2 H200s at pp 2, M = 8 a trace split its 34%
+into ~12% NCCL waits, ~5% kernel-free gaps and the rest non-schedule work (benchmarks/RESULTS.md, 2026-11-29
+23:52). With ``--trace`` both are printed.
 """
 
 from __future__ import annotations
@@ -410,6 +420,10 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, device: str) ->
         for r in traced:
             for s, split in enumerate(r["splits"]):
                 lines.append(f"- {r['config']} stage {s}: " + (format_split(split) if split else "not profiled"))
+            waits = [x["comm"] / x["span"] for x in r["splits"] if x and x["span"] > 0]
+            if waits and r["stages"] > 1:  # [Note: the schedule's waits]
+                lines.append(f"- {r['config']}: schedule waits {pct(sum(waits) / len(waits))} of the span "
+                             f"({', '.join(pct(w) for w in waits)}) against {pct(r['bubble_theory'])} in theory")
     return "\n".join(lines) + "\n"
 
 
