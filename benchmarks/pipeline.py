@@ -35,7 +35,7 @@ That wait is what ``(P - 1) / (M + P - 1)`` predicts. The stage timer's "bubble 
 counts as idle everything outside the forward/backward actions: the gaps between kernels while the host launches,
 the optimizer step, clipping, the loss's all-reduce, zero-fills. On 2 H200s at pp 2, M = 8 a trace split its 34%
 into ~12% NCCL waits, ~5% kernel-free gaps and the rest non-schedule work (benchmarks/RESULTS.md, 2026-11-29
-23:52). With ``--trace`` both are printed.
+23:47). With ``--trace`` both are printed.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class QuantCommConfig:
     norm, always on the same side); ``'stochastic'`` rounds each code up or down with the probabilities that
     make it unbiased, from a hash of the element's index and a seed drawn per reduction, rank and level
     (quant/blocks.py [Note: stochastic rounding of codes]). A resumed run draws afresh. Needs
-    ``quantized_gradients``. Measured (2 H200s, F's 303M GPT, benchmarks/RESULTS.md 2026-11-29 23:20): it does
+    ``quantized_gradients``. Measured (2 H200s, F's 303M GPT, benchmarks/RESULTS.md 2026-11-29 23:13): it does
     *not* bring int4 closer to zero3 (weights 5.98e-2 apart after 4 steps against 5.40e-2 rounding to nearest;
     int8: 7.6e-3) and costs 2% of tokens/s: int8 gradients are the setting that tracks zero3."""
 

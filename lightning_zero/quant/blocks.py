@@ -23,7 +23,7 @@ not drawn from torch's generator but computed from ``(seed, element index)`` by 
 (:func:`uniform_from_hash`): the fused kernel (triton_blocks.py) computes the same bits, so its codes equal
 these bit for bit, and a run draws the same values whatever the device or the launch order. The index is
 the element's position in the block-padded rows (``row * nb * block + column``).
-Measured on 2 H200s (benchmarks/RESULTS.md, 2026-11-29 23:20) it did *not* bring int4 qgZ closer to zero3
+Measured on 2 H200s (benchmarks/RESULTS.md, 2026-11-29 23:13) it did *not* bring int4 qgZ closer to zero3
 (weights 5.98e-2 apart after 4 steps against 5.40e-2 rounding to nearest; the gradient norm still 3-4% low):
 what departs is Adam's early, sign-like steps turning any error on small gradients into full-size update
 differences, not the rounding's bias. So it is an option (``gradient_rounding``), off by default.
