@@ -182,7 +182,7 @@ class Engines:
                 "load the fp32 weights `trainer.strategy.full_state_dict()` gives after a fit into the module."
             )
         if self.buffer_sync is not None and kind in ("train", "val"):
-            self.buffer_sync.sync()
+            self.buffer_sync.sync(reduces=kind == "train" and all(engine.require_sync for engine in self))
         for engine in self:
             engine.begin_step()
 

@@ -28,12 +28,21 @@ sees it and refuses it, naming ``gathered_params(module, writeback=True)``, whic
 Only the first batch is watched, and the tensor ``p.data`` returns has a version counter of its own, which
 hides a later write from inplace_guard.py [Note: in-place writes outside the optimizer]: a ``.data`` pattern
 that starts after the first step is not caught. In-place ops on the parameter itself are, at any step.
+
+[Note: detached aliases]
+``p.detach()`` reads no values, so it passes the watch, but the plain tensor it returns shares the released
+storage: torch's ``AveragedModel.update_parameters`` (an EMA copy inside the LightningModule, updated in
+``on_train_batch_end``) runs ``p_model.detach().to(device)`` and ``p_avg.detach().copy_(...)`` on released
+units, a segmentation fault on 2 ranks (found 2026-11). The watch remembers the aliases ``detach`` returns
+(weakly) and treats a use of one whose unit is released as a use of its parameter: gathered inside a step
+method, refused elsewhere with the messages above. Aliases of gathered units pass, as their parameters would.
 """
 
 from __future__ import annotations
 
 import linecache
 import logging
+import weakref
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -102,6 +111,9 @@ class ReadWatch(TorchFunctionMode):
                         self.owner[id(p)] = (engine, unit)
         self.found: list[str] = []
         self._stance: Optional[Any] = None
+        self._aliases: dict[int, tuple[weakref.ref, Parameter]] = {}
+        """id(alias) -> (the alias, its parameter) for ``p.detach()`` of partitioned parameters ([Note: detached
+        aliases])."""
 
     @classmethod
     def over(cls, engines: list["ZeroEngine"]) -> Optional["ReadWatch"]:
@@ -130,10 +142,15 @@ class ReadWatch(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         fname = _name_of(func)
+        if fname == "detach" and len(args) == 1 and not kwargs and id(args[0]) in self.any_unit:
+            return self._remember_alias(args[0], func(*args))
         if fname not in METADATA:
             found: list[Parameter] = []
             _params(args, found)
             _params(kwargs, found)
+            if self._aliases:
+                self._released_aliases(args, found)
+                self._released_aliases(kwargs, found)
             for p in found:
                 self._refuse_after_step(p, fname)
                 hit = self.owner.get(id(p))
@@ -159,6 +176,25 @@ class ReadWatch(TorchFunctionMode):
                     hit[0].watch_alias(hit[1], found[0], result)
                 return result
         return func(*args, **kwargs)
+
+    def _remember_alias(self, param: Parameter, alias: Any) -> Any:
+        key = id(alias)
+        self._aliases[key] = (weakref.ref(alias, lambda _: self._aliases.pop(key, None)), param)
+        return alias
+
+    def _released_aliases(self, obj: Any, out: list[Parameter]) -> None:
+        """The parameters of the ``detach()`` aliases in ``obj`` whose unit is released ([Note: detached aliases])."""
+        if isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._released_aliases(o, out)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                self._released_aliases(o, out)
+        elif not isinstance(obj, Parameter) and id(obj) in self._aliases:
+            ref, param = self._aliases[id(obj)]
+            engine, unit = self.any_unit[id(param)]
+            if ref() is obj and not engine.is_gathered(unit) and not unit.persistent:
+                out.append(param)
 
     def _refuse_released_root(self, p: Parameter) -> None:
         """Outside a step method, before the first step (``on_train_batch_start`` of the first batch) the root

@@ -18,7 +18,8 @@ One file per family: base.py (ZooModule and the synthetic data sets), nanogpt.py
 GPT-2 and Llama + LoRA also with HF's gradient_checkpointing_enable(), peft's recipe), vit.py, resnet.py (and a
 channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
 parametrizations, weight clamping), renorm.py (a weight renormalised by assigning ``.data``), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
-pairs); this file is the registry the scenarios build from.
+pairs), ema.py (an EMA copy inside the module), qat.py
+(quantization-aware training), pruned.py (torch.nn.utils.prune before fit); this file is the registry the scenarios build from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from torch import nn
 
 from tests.zoo.base import BATCH, N_TRAIN, STEPS, ZooModule
+from tests.zoo.ema import EmaGatheredLM, EmaLM
 from tests.zoo.gan import GAN
 from tests.zoo.hf import (HFBert, HFDeberta, HFT5, hf_gemma2, hf_gpt2, hf_gpt2_checkpointed, hf_llama_lora,
                           hf_llama_lora_bf16_base, hf_llama_lora_checkpointed, hf_mixtral)
@@ -35,6 +37,8 @@ from tests.zoo.legacy import LegacyNorms
 from tests.zoo.fno import FNO
 from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchEncoder
 from tests.zoo.nanogpt import NanoGPT, nanogpt_dropout
+from tests.zoo.pruned import PrunedLM
+from tests.zoo.qat import QATConvNet
 from tests.zoo.renorm import RenormedGatheredHead, RenormedHead
 from tests.zoo.resnet import ChannelsLastConvNet, TorchvisionResNet
 from tests.zoo.vit import TimmViT
@@ -65,6 +69,10 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "legacy_norms": LegacyNorms,
     "fno": FNO,
     "channels_last": ChannelsLastConvNet,
+    "ema": EmaLM,
+    "ema_gathered": EmaGatheredLM,
+    "qat": QATConvNet,
+    "pruned": PrunedLM,
 }
 """Model name -> builder (call it right after seeding; every rank builds the same weights)."""
 

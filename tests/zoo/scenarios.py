@@ -162,6 +162,7 @@ def make_trainer(model_name: str, spec: str, model: ZooModule, probe: ZooProbe) 
         limit_val_batches=2 if has_val else 0,
         val_check_interval=getattr(model, "VAL_EVERY", None) if has_val else None,
         gradient_clip_val=getattr(model, "GRADIENT_CLIP_VAL", None),
+        accumulate_grad_batches=getattr(model, "ACCUMULATE", 1),
         use_distributed_sampler=False,
         callbacks=[probe],
     )

@@ -63,8 +63,14 @@ STAGES: dict[str, list[str]] = {
     "legacy_norms": ["zero1", "zero2", "zero3", "zero3_offload", "zero3_act"],
     "fno": ["zero1", "zero2", "zero3", "zero3_offload"],
     "channels_last": ["zero1", "zero2", "zero3", "zero3_offload"],
+    # an EMA copy inside the module, updated after each batch (tests/zoo/ema.py): stages 1-2 follow it, stage 3
+    # refuses it (REFUSED; it crashed) and follows it inside gathered_params
+    "ema": ["zero1", "zero2", "zero2_offload"],
+    "ema_gathered": ["zero3", "zero3_offload"],
+    "qat": ["zero1", "zero2", "zero3", "zero3_offload"],  # observers' buffers, BatchNorm read in training, accumulation
+    "pruned": ["zero1", "zero2", "zero3", "zero3_offload"],  # torch.nn.utils.prune before fit: _orig, _mask, pre-hook
 }
-REFUSED: dict[str, list[str]] = {"clamped": ["zero3"], "renormed": ["zero3"]}
+REFUSED: dict[str, list[str]] = {"clamped": ["zero3"], "renormed": ["zero3"], "ema": ["zero3"]}
 """Runs that must stop in their first step with stage 3's error naming the fix (read_watch.py [Note: reads
 after a step]); launched after the model's parity runs."""
 CASES = [(m, s) for m, specs in STAGES.items() for s in specs]
@@ -191,7 +197,9 @@ def test_final_weights_match_ddp(zoo: Callable[[str], ZooRuns], model: str, spec
 @pytest.mark.parametrize("model,spec", NON_GAN_CASES)
 def test_buffers_match_ddp_on_every_rank(zoo: Callable[[str], ZooRuns], model: str, spec: str) -> None:
     """BatchNorm running statistics (ResNet) and any other buffer, rank by rank: ddp broadcasts rank 0's
-    buffers before each training forward and before the first validation batch.
+    buffers before each forward that follows a reducing training forward: each training forward and the first
+    validation batch, but not after an accumulating micro-batch nor at the first training batch after validation
+    (QAT's observers, "qat", see the difference; zero/buffers.py [Note: buffer sync]).
 
     Not the GAN's: under manual optimization Lightning's ddp never broadcasts buffers after the first
     step (``_DDPForwardRedirection`` switches ``require_backward_grad_sync`` off inside the forward, so
@@ -214,7 +222,7 @@ def test_gan_losses_match_ddp(zoo: Callable[[str], ZooRuns], spec: str) -> None:
         assert _rel(r_got["d_losses"], r_ref["d_losses"]) < TOL, (rank, "d", r_got["d_losses"], r_ref["d_losses"])
 
 
-VALIDATES = ("resnet", "encoder", "shared", "clamped", "clamped_gathered")
+VALIDATES = ("resnet", "encoder", "shared", "clamped", "clamped_gathered", "ema", "ema_gathered", "qat", "pruned")
 """Models with a ``validation_step`` (every VAL_EVERY = 4 steps, 2 batches)."""
 
 
@@ -239,9 +247,21 @@ def test_clamped_reference_clamps(zoo: Callable[[str], ZooRuns]) -> None:
         assert float(ref["logit_scale"]) <= ClampedLM.MAX_SCALE
 
 
+def test_ema_reference_averages(zoo: Callable[[str], ZooRuns]) -> None:
+    """The parity of "ema" means something only if the EMA copy is neither the network nor its start."""
+    for model in ("ema", "ema_gathered"):
+        ref = _succeeded(zoo(model).get("ddp"))
+        weights, moved = ref["weights"], ref["moved"]
+        assert int(weights["ema.n_averaged"]) >= 12
+        for name in ("embedding.weight", "layers.0.0.weight", "head.weight"):
+            assert moved[f"net.{name}"] > 1e-3
+            assert _tensor_rel(weights[f"ema.module.{name}"], weights[f"net.{name}"]) > 1e-4, name
+
+
 REFUSAL_TEXT: dict[str, tuple[str, ...]] = {
     "clamped": ("used after optimizer.step()", "gathered_params(module, writeback=True)", "p.data.clamp_"),
     "renormed": ("was read while its unit was released", "gathered_params(module)", "w.data = F.normalize"),
+    "ema": ("used after optimizer.step()", "gathered_params(module, writeback=True)", "self.ema.update_parameters"),
 }
 """What each refusal says: the cause, the fix, the user's line."""
 
@@ -252,7 +272,8 @@ def test_weights_changed_outside_the_optimizer_are_refused_under_stage3(zoo: Cal
     """WGAN's ``p.data.clamp_()`` after ``opt.step()`` under zero3 trained silently apart from ddp (weights 0.2
     apart after 3 steps: the clamp wrote into released storage, or crashed on a GPU); a head renormalised by
     ``w.data = F.normalize(w.data)`` in ``on_train_batch_start`` crashed the process (a segmentation fault
-    reading the released root unit's empty storage). Now the first step stops on every rank with one error
+    reading the released root unit's empty storage), and so did an EMA copy's ``update_parameters`` in
+    ``on_train_batch_end`` (it reads both copies through ``p.detach()``). Now the first step stops on every rank with one error
     naming the line and ``gathered_params`` (whose parity is the "_gathered" models'), before any write is lost."""
     run = zoo(model).get(spec)
     assert run["error"], f"{model}/{spec} trained: the write outside the optimizer was not refused"
