@@ -264,7 +264,8 @@ def finish_setup(engines: Engines, module: torch.nn.Module, device: torch.device
                 if p.dtype != fg.compute_dtype:  # pragma: no cover - guards the view invariant
                     raise RuntimeError("A ZeRO-managed parameter lost its flat-buffer view.")
     dims = engines.dims
-    engines.buffer_sync = BufferSync(module, dims.dp_group if dims is not None else None)
+    engines.buffer_sync = BufferSync(module, dims.dp_group if dims is not None else None,
+                                     dims.dp_host_group if dims is not None else None)
     engines.watched = set()
 
 

@@ -75,6 +75,9 @@ class ParallelDims:
     dp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     pp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     tp_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    dp_host_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
+    """A gloo group over ``dp_group``'s ranks (``dp_group`` itself under gloo): host-side agreements, such as which
+    buffers to broadcast (zero/buffers.py [Note: buffer sync])."""
     dp_param_group: Optional[C.ProcessGroup] = field(default=None, repr=False)
     """Same ranks as ``dp_group``; ZeRO-3's parameter all-gathers run here (stage3.py's
     [Note: two process groups])."""
@@ -184,6 +187,7 @@ class ParallelDims:
         if self.mesh is None:
             return
         self.dp_group = self.mesh["dp"].get_group()
+        self.dp_host_group = C.host_twin(self.dp_group, timeout_s)
         self.tp_group = self.mesh["tp"].get_group()
         self.pp_group = self.mesh["pp"].get_group() if self.pp > 1 else None
         for s in range(self.pp):

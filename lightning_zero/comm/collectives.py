@@ -158,6 +158,24 @@ def new_gloo_group(timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:
     return dist.new_group(list(range(dist.get_world_size())), backend="gloo", **kwargs)
 
 
+def host_twin(group: Optional[ProcessGroup], timeout_s: Optional[float] = None) -> Optional[ProcessGroup]:
+    """A gloo group over ``group``'s ranks (``group`` itself when it is gloo already; None in one process), for
+    agreements the host needs without waiting for the device (zero/buffers.py [Note: buffer sync]). Collective
+    over the world: every rank calls it at the same point, and creates every rank's twin in the same order."""
+    if not is_initialized() or dist.get_world_size() == 1:
+        return None
+    if backend(group) == "gloo":
+        return group
+    mine = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    twin = None
+    for ranks in sorted(set(all_gather_object(mine, None))):  # type: ignore[type-var]
+        g = dist.new_group(list(ranks), backend="gloo", **kwargs)  # type: ignore[arg-type]
+        if ranks == mine:
+            twin = g
+    return twin
+
+
 def all_gather_object(obj: object, group: Optional[ProcessGroup]) -> list[object]:
     """Every rank's ``obj``, in group-rank order (pickled: small objects only)."""
     if _single(group):

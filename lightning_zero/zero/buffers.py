@@ -26,12 +26,22 @@ kernel that bumps none of them, so their ranks kept their own statistics where d
 2e-2 apart from ddp in 12 steps on a small conv net, found 2026-11). The modules of ``torch.ao.quantization``
 (observers and fake quants, a few scalars or per-channel vectors each) are therefore broadcast at every sync
 DDP would make, changed or not (tests/zoo "qat").
+
+The ranks agree on which modules changed before broadcasting. Each rank sees only its own version counters, and a
+buffer may change on some ranks only (a running maximum updated when this rank's batch exceeds it, a counter of
+padded batches): deciding alone, the ranks issued different broadcasts, which hung at the collective timeout, or,
+where the mismatched broadcasts had equal shapes and dtypes, paired the wrong buffers without an error (found
+2026-11; ddp broadcasts every buffer, so it trained them). So the changed flags are max-reduced first over a gloo
+twin of the group (comm/collectives.py ``host_twin``, made with the mesh: parallel_dims.py): a host-side
+collective of one byte per module with buffers, no wait for the device, and every rank broadcasts the same
+modules in the same order.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor, nn
 
 from lightning_zero.comm import collectives as C
@@ -40,7 +50,8 @@ from lightning_zero.comm import collectives as C
 class BufferSync:
     """Broadcast the buffers of changed modules of ``module`` from data-parallel rank 0 (see the note)."""
 
-    def __init__(self, module: nn.Module, group: Optional[C.ProcessGroup]) -> None:
+    def __init__(self, module: nn.Module, group: Optional[C.ProcessGroup],
+                 host_group: Optional[C.ProcessGroup] = None) -> None:
         self.groups: list[list[Tensor]] = []
         self.always: list[bool] = []
         """Per group: broadcast at every sync, whatever the versions say (observers, see the note)."""
@@ -50,6 +61,8 @@ class BufferSync:
                 self.groups.append(own)
                 self.always.append(_unversioned(m))
         self.group = group
+        self.host_group = host_group
+        """A gloo group over ``group``'s ranks, where the changed flags are agreed (see the note); None: ``group``."""
         self._versions = [[b._version for b in own] for own in self.groups]
         self._after_synced_forward = True
         """DDP's ``require_forward_param_sync``: the last forward was a training forward whose gradients were
@@ -64,9 +77,17 @@ class BufferSync:
         due, self._after_synced_forward = self._after_synced_forward, reduces
         if not due:  # DDP would not broadcast before this forward (see the note)
             return 0
+        changed = torch.tensor([int(self.always[i] or any(b._version != v for b, v in zip(own, self._versions[i])))
+                                for i, own in enumerate(self.groups)], dtype=torch.uint8)
+        if self.host_group is None and C.backend(self.group) not in (None, "gloo"):  # no twin: on the device, a wait
+            on_device = changed.to(C.device_for(self.group, torch.device("cuda", torch.cuda.current_device())))
+            C.all_reduce(on_device, self.group, op="max")
+            changed = on_device.cpu()
+        else:
+            C.all_reduce(changed, self.host_group if self.host_group is not None else self.group, op="max")
         sent = 0
         for i, own in enumerate(self.groups):
-            if self.always[i] or any(b._version != v for b, v in zip(own, self._versions[i])):
+            if changed[i]:
                 for b in own:
                     C.broadcast(b.data, 0, self.group)
                 sent += len(own)

@@ -89,6 +89,18 @@ def _exercise(rank: int) -> dict[str, bool]:
         out = torch.empty(WORLD * n)
         C.all_gather(out, mine, group)
         ok[name] = torch.equal(out, full) and C.world_size(group) == WORLD and C.rank(group) == rank
+    # host_twin: a gloo group is its own twin; under another backend (NCCL, simulated) a gloo group of the same ranks
+    real = C.backend
+    C.backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    try:
+        twin, world_twin = C.host_twin(sub), C.host_twin(None)
+    finally:
+        C.backend = real  # type: ignore[assignment]
+    flags = torch.tensor([rank, 1 - rank], dtype=torch.uint8)
+    C.all_reduce(flags, twin, "max")
+    ok["host_twin"] = (C.host_twin(sub) is sub and twin is not sub and world_twin is not None
+                       and dist.get_process_group_ranks(twin) == [0, 1] and dist.get_backend(twin) == "gloo"
+                       and flags.tolist() == [1, 1])
     C.barrier()
     ok["backend"] = C.backend() == "gloo" and C.device_for(None, torch.device("meta")) == torch.device("cpu")
     return ok

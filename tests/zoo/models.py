@@ -19,7 +19,8 @@ GPT-2 and Llama + LoRA also with HF's gradient_checkpointing_enable(), peft's re
 channels_last conv net), gan.py, layouts.py (nn.TransformerEncoder, LSTM/GRU, shared blocks,
 parametrizations, weight clamping), renorm.py (a weight renormalised by assigning ``.data``), legacy.py (hook-based spectral/weight norm), fno.py (complex weights as real
 pairs), ema.py (an EMA copy inside the module), qat.py
-(quantization-aware training), pruned.py (torch.nn.utils.prune before fit); this file is the registry the scenarios build from.
+(quantization-aware training), pruned.py (torch.nn.utils.prune before fit), rankbuf.py (a buffer updated on some
+ranks only); this file is the registry the scenarios build from.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from tests.zoo.layouts import ClampedGatheredLM, ClampedLM, SharedBlocks, TorchE
 from tests.zoo.nanogpt import NanoGPT, nanogpt_dropout
 from tests.zoo.pruned import PrunedLM
 from tests.zoo.qat import QATConvNet
+from tests.zoo.rankbuf import RankBufferLM
 from tests.zoo.renorm import RenormedGatheredHead, RenormedHead
 from tests.zoo.resnet import ChannelsLastConvNet, TorchvisionResNet
 from tests.zoo.vit import TimmViT
@@ -66,6 +68,7 @@ MODELS: dict[str, Callable[[], ZooModule]] = {
     "clamped_gathered": ClampedGatheredLM,
     "renormed": RenormedHead,
     "renormed_gathered": RenormedGatheredHead,
+    "rankbuf": RankBufferLM,
     "legacy_norms": LegacyNorms,
     "fno": FNO,
     "channels_last": ChannelsLastConvNet,

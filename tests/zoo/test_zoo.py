@@ -68,6 +68,7 @@ STAGES: dict[str, list[str]] = {
     "ema": ["zero1", "zero2", "zero2_offload"],
     "ema_gathered": ["zero3", "zero3_offload"],
     "qat": ["zero1", "zero2", "zero3", "zero3_offload"],  # observers' buffers, BatchNorm read in training, accumulation
+    "rankbuf": ["zero1", "zero2", "zero3", "zero3_offload"],  # a buffer updated on some ranks only: agreed broadcasts
     "pruned": ["zero1", "zero2", "zero3", "zero3_offload"],  # torch.nn.utils.prune before fit: _orig, _mask, pre-hook
 }
 REFUSED: dict[str, list[str]] = {"clamped": ["zero3"], "renormed": ["zero3"], "ema": ["zero3"]}
