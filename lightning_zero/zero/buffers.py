@@ -62,7 +62,8 @@ class BufferSync:
                 self.always.append(_unversioned(m))
         self.group = group
         self.host_group = host_group
-        """A gloo group over ``group``'s ranks, where the changed flags are agreed (see the note); None: ``group``."""
+        """A gloo group over ``group``'s ranks, where the changed flags are agreed (see the note). Every distributed
+        run has one (parallel_dims.py builds it with the mesh); None only where ``group`` is gloo or one process."""
         self._versions = [[b._version for b in own] for own in self.groups]
         self._after_synced_forward = True
         """DDP's ``require_forward_param_sync``: the last forward was a training forward whose gradients were
@@ -79,12 +80,7 @@ class BufferSync:
             return 0
         changed = torch.tensor([int(self.always[i] or any(b._version != v for b, v in zip(own, self._versions[i])))
                                 for i, own in enumerate(self.groups)], dtype=torch.uint8)
-        if self.host_group is None and C.backend(self.group) not in (None, "gloo"):  # no twin: on the device, a wait
-            on_device = changed.to(C.device_for(self.group, torch.device("cuda", torch.cuda.current_device())))
-            C.all_reduce(on_device, self.group, op="max")
-            changed = on_device.cpu()
-        else:
-            C.all_reduce(changed, self.host_group if self.host_group is not None else self.group, op="max")
+        C.all_reduce(changed, self.host_group if self.host_group is not None else self.group, op="max")
         sent = 0
         for i, own in enumerate(self.groups):
             if changed[i]:
